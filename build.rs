@@ -1,0 +1,53 @@
+//! Builds the C++ shim in `vendor/` that re-exports llama.cpp's staging DFlash API
+//! (`llama-ext.h`, C++ linkage, not wrapped by llama-cpp-sys-2) as `extern "C"`,
+//! and generates its Rust bindings with bindgen.
+//!
+//! Headers come only from the sys crate's build metadata: `DEP_LLAMA_ROOT/include`
+//! holds the installed `llama.h`/`ggml*.h`; the llama.cpp source tree (for
+//! `src/llama-ext.h` and `common/`) is the `CMAKE_HOME_DIRECTORY` recorded in the
+//! CMake cache of that same build.
+use std::env;
+use std::fs;
+use std::path::PathBuf;
+
+fn main() {
+    let root = PathBuf::from(
+        env::var("DEP_LLAMA_ROOT").expect("DEP_LLAMA_ROOT not set: llama-cpp-sys-2 must be a direct dependency"),
+    );
+    let include = root.join("include");
+    let cache_path = root.join("build").join("CMakeCache.txt");
+    let cache = fs::read_to_string(&cache_path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", cache_path.display()));
+    let src_dir = cache
+        .lines()
+        .find_map(|l| l.strip_prefix("CMAKE_HOME_DIRECTORY:INTERNAL="))
+        .map(PathBuf::from)
+        .expect("CMAKE_HOME_DIRECTORY missing from llama.cpp's CMakeCache.txt");
+
+    let includes = [include.clone(), src_dir.join("src"), src_dir.join("common"), src_dir.join("ggml/include")];
+
+    let mut build = cc::Build::new();
+    build.cpp(true).std("c++17").file("vendor/dflash2_shim.cpp").warnings(false);
+    for dir in &includes {
+        build.include(dir);
+    }
+    build.compile("dflash2_shim");
+
+    let bindings = bindgen::Builder::default()
+        .header("vendor/dflash2_shim.h")
+        .clang_arg(format!("-I{}", include.display()))
+        .allowlist_function("dflash2_.*")
+        .allowlist_type("dflash2_.*")
+        // llama.cpp's own types come from llama-cpp-sys-2, so the two crates agree on them.
+        .blocklist_type("llama_.*")
+        .blocklist_type("ggml_.*")
+        .raw_line("use llama_cpp_sys_2::*;")
+        .generate()
+        .expect("bindgen failed on vendor/dflash2_shim.h");
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("shim_bindings.rs");
+    bindings.write_to_file(&out).expect("cannot write shim bindings");
+
+    println!("cargo:rerun-if-changed=vendor/dflash2_shim.cpp");
+    println!("cargo:rerun-if-changed=vendor/dflash2_shim.h");
+    println!("cargo:rerun-if-changed=build.rs");
+}

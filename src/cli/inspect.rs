@@ -1,0 +1,151 @@
+//! `dflash2 inspect FILE.gguf [--target T.gguf] [--json]`: a model's metadata and, given a
+//! target, whether FILE can draft for it. A failed pairing is an error (non-zero exit) whose
+//! message names the field and both values.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+use crate::gguf::read::{check_pair, read_gguf, read_model_info, Gguf, ModelInfo, PairCheckError};
+use crate::gguf::MetaValue;
+
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    /// GGUF file to inspect: a target model or a DFlash drafter
+    pub file: PathBuf,
+    /// Check FILE as a drafter for this target model
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// Print JSON instead of text
+    #[arg(long)]
+    pub json: bool,
+    /// Also list every metadata key and tensor
+    #[arg(long)]
+    pub all: bool,
+}
+
+pub fn run(args: &InspectArgs) -> Result<()> {
+    let gguf = read_gguf(&args.file)?;
+    let model = ModelInfo::from_gguf(&gguf)?;
+    let target = args.target.as_deref().map(read_model_info).transpose()?;
+    let verdict = target.as_ref().map(|t| check_pair(t, &model));
+
+    if args.json {
+        let pairing = verdict.as_ref().map(|v| match v {
+            Ok(()) => serde_json::json!({ "ok": true }),
+            Err(e) => serde_json::json!({ "ok": false, "error": e.to_string() }),
+        });
+        let mut out = serde_json::json!({ "model": model, "target": target, "pairing": pairing });
+        if args.all {
+            out["metadata"] = gguf.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(short(v)))).collect();
+            out["tensors"] = serde_json::to_value(&gguf.tensors)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{}", describe(&model));
+        if args.all {
+            print!("{}", list_all(&gguf));
+        }
+        if let Some(t) = &target {
+            println!("\ntarget:");
+            print!("{}", describe(t));
+        }
+    }
+    match (verdict, &args.target) {
+        (Some(Err(problem)), Some(t)) => {
+            Err(PairCheckError::Mismatch { target: t.clone(), drafter: args.file.clone(), problem }.into())
+        }
+        (Some(Ok(())), Some(t)) if !args.json => {
+            println!("\npairing with {}: ok", t.display());
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+fn describe(m: &ModelInfo) -> String {
+    let id = |v: Option<u32>| v.map_or("none".to_string(), |v| v.to_string());
+    let mut s = format!(
+        "file           {} ({:.1} MB, GGUF v{}, {} tensors)\n",
+        m.path.display(),
+        m.file_size as f64 / 1e6,
+        m.gguf_version,
+        m.n_tensors
+    );
+    let name = m.name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default();
+    s += &format!("architecture   {}{name}\n", m.architecture);
+    s += &format!("n_embd         {}\nn_layer        {}\n", m.n_embd, m.n_layer);
+    if let Some(c) = m.context_length {
+        s += &format!("context        {c}\n");
+    }
+    s += &format!(
+        "vocabulary     {} tokens, tokenizer {}/{}, fingerprint {:016x}\n",
+        m.n_vocab,
+        m.tokenizer_model.as_deref().unwrap_or("none"),
+        m.tokenizer_pre.as_deref().unwrap_or("-"),
+        m.tokenizer_fingerprint
+    );
+    s += &format!("special ids    bos {}, eos {}, mask {}\n", id(m.bos_id), id(m.eos_id), id(m.mask_id));
+    s += &format!("chat template  {}\n", if m.has_chat_template { "yes" } else { "no" });
+    if let Some(d) = &m.dflash {
+        let kind = if d.is_dflash2() { "DFlash 2" } else { "DFlash 1" };
+        s += &format!(
+            "drafter        {kind}, block size {}, target layer inputs {:?}\n",
+            d.block_size.map_or("none".into(), |b| b.to_string()),
+            d.target_layers
+        );
+        if d.is_dflash2() {
+            s += &format!(
+                "selector       top-k {}, rank {}, conv kernel {}, conv group {}\n",
+                d.selector_top_k, d.selector_rank, d.conv_kernel_size, d.conv_group_size
+            );
+        }
+        let fc = d.fc_shape.map_or("missing".into(), |[i, o]| format!("{i} -> {o}"));
+        let embd = match (d.has_token_embd, d.has_output) {
+            (true, true) => "own token_embd and output",
+            (true, false) => "own token_embd, also used as output",
+            (false, true) => "target's token_embd, own output",
+            (false, false) => "target's token_embd and output",
+        };
+        let d2t = d.d2t_len.map_or("no d2t".into(), |n| format!("d2t of {n} tokens"));
+        s += &format!("weights        fc {fc}, {embd}, {d2t}{}\n", if d.causal { ", causal" } else { "" });
+    }
+    s
+}
+
+/// Every key with a short rendering of its value, then every tensor.
+fn list_all(g: &Gguf) -> String {
+    let mut s = format!("\nmetadata ({} keys):\n", g.metadata.len());
+    for (k, v) in &g.metadata {
+        s += &format!("  {k} = {}\n", short(v));
+    }
+    s += &format!("\ntensors ({}):\n", g.tensors.len());
+    for t in &g.tensors {
+        s += &format!("  {} {} {:?} at {} ({} bytes)\n", t.name, t.type_name, t.shape, t.offset, t.nbytes);
+    }
+    s
+}
+
+/// A value on one line: arrays show their length and first elements, long strings are cut.
+fn short(v: &MetaValue) -> String {
+    match v {
+        MetaValue::Array(_, items) => {
+            let head: Vec<String> = items.iter().take(4).map(short).collect();
+            let more = if items.len() > 4 { ", ..." } else { "" };
+            format!("[{} items: {}{more}]", items.len(), head.join(", "))
+        }
+        MetaValue::Str(s) if s.chars().count() > 60 => format!("{:?}... ({} bytes)", s.chars().take(60).collect::<String>(), s.len()),
+        MetaValue::Str(s) => format!("{s:?}"),
+        MetaValue::U8(x) => format!("{x}u8"),
+        MetaValue::I8(x) => format!("{x}i8"),
+        MetaValue::U16(x) => format!("{x}u16"),
+        MetaValue::I16(x) => format!("{x}i16"),
+        MetaValue::U32(x) => format!("{x}u32"),
+        MetaValue::I32(x) => format!("{x}i32"),
+        MetaValue::U64(x) => format!("{x}u64"),
+        MetaValue::I64(x) => format!("{x}i64"),
+        MetaValue::F32(x) => format!("{x}f32"),
+        MetaValue::F64(x) => format!("{x}f64"),
+        MetaValue::Bool(x) => x.to_string(),
+    }
+}

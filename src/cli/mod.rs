@@ -1,0 +1,81 @@
+//! The command line: one file per subcommand; flags are defined once, here and in
+//! the subcommand's `Args` struct.
+pub mod generate;
+pub mod inspect;
+pub mod synth;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "dflash2", version, about = "DFlash 2 speculative decoding for llama.cpp, lossless")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a completion for one prompt.
+    Generate(generate::GenerateArgs),
+    /// Print a GGUF's metadata and, with --target, whether a drafter pairs with it.
+    Inspect(inspect::InspectArgs),
+    /// Write synthetic test models (no download needed).
+    Synth(synth::SynthArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match &cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Synth(a) => synth::run(a),
+    }
+}
+
+/// A spinner on stderr while models load (hidden when stderr is not a terminal).
+pub fn loading_spinner(what: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+    pb.set_message(format!("loading {what}"));
+    pb.enable_steady_tick(std::time::Duration::from_millis(120));
+    pb
+}
+
+/// Sampling flags as llama.cpp users know them (one definition for every subcommand).
+#[derive(clap::Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 = greedy.
+    #[arg(long = "temp", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Top-k (<= 0 disables).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: i32,
+    /// Top-p (1 disables).
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p (0 disables).
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repetition penalty (1 disables).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Tokens the repetition penalty looks back over.
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    pub repeat_last_n: i32,
+    /// Random seed.
+    #[arg(long = "seed", default_value_t = 0xD1F1A5)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> crate::sampling::SamplingParams {
+        crate::sampling::SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        }
+    }
+}

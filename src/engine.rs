@@ -1,0 +1,663 @@
+//! The decode loop: prefill, inject, draft, select, verify, commit, roll back.
+//!
+//! One [`Engine`] owns a target context and, optionally, a DFlash drafter next to it.
+//! Its cache holds one conversation: a new prompt that extends what is cached only
+//! decodes the new part. Without a drafter (or with [`SelectMode::None`]) it decodes
+//! one token per target step: the baseline every speculative mode must reproduce.
+use crate::draft::drafter::Drafter;
+use crate::draft::select::{proposal, sample_path, BestPath, Greedy, Selector, TreeBestFirst};
+use crate::draft::{lattice, DraftTree};
+use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::verify::{accept_greedy, rejection::verify_chain};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// How a draft is chosen from the drafter's candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SelectMode {
+    /// No drafting: plain autoregressive decoding (the baseline).
+    None,
+    /// llama.cpp's walk: the best-scoring successor of each pick.
+    Greedy,
+    /// The path with the most expected accepted tokens.
+    BestPath,
+    /// A best-first token tree over the candidates, verified in one decode.
+    Tree,
+}
+
+/// Where the target's layer inputs come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum FeatureMode {
+    /// llama.cpp's extraction where the architecture has it, else the callback.
+    #[default]
+    Auto,
+    Native,
+    Callback,
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub target: PathBuf,
+    pub drafter: Option<PathBuf>,
+    pub n_ctx: usize,
+    pub n_batch: usize,
+    pub n_threads: i32,
+    pub n_gpu_layers: i32,
+    pub features: FeatureMode,
+}
+
+impl EngineConfig {
+    pub fn new(target: PathBuf, drafter: Option<PathBuf>) -> Self {
+        Self {
+            target,
+            drafter,
+            n_ctx: 4096,
+            n_batch: 512,
+            n_threads: default_threads(),
+            n_gpu_layers: 999,
+            features: FeatureMode::Auto,
+        }
+    }
+}
+
+/// Physical cores are what llama.cpp's CPU kernels scale with; hyperthreads don't help.
+pub fn default_threads() -> i32 {
+    std::thread::available_parallelism().map(|n| n.get() as i32).unwrap_or(4).clamp(1, 16)
+}
+
+/// What one generation asks for.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub n_predict: usize,
+    pub select: SelectMode,
+    /// Block size (anchor included): at most `block - 1` drafted tokens per cycle.
+    pub block: usize,
+    /// Node budget of a token tree (`SelectMode::Tree`).
+    pub tree_budget: usize,
+    pub stop: Vec<String>,
+    pub sampling: SamplingParams,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            n_predict: 128,
+            select: SelectMode::Greedy,
+            block: 16,
+            tree_budget: 32,
+            stop: Vec::new(),
+            sampling: SamplingParams::default(),
+        }
+    }
+}
+
+/// Most leaves a verify tree may have: each leaf is one llama.cpp sequence.
+pub const MAX_TREE_LEAVES: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-generation token.
+    Eog,
+    /// `n_predict` tokens.
+    Length,
+    /// A stop string.
+    Stop,
+    /// The context is full.
+    Context,
+    /// The caller's callback asked to stop.
+    Cancelled,
+}
+
+/// Counters and timings of one generation.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Stats {
+    pub n_prompt: usize,
+    /// Prompt tokens decoded (the rest came from the cache).
+    pub n_prompt_decoded: usize,
+    pub n_generated: usize,
+    /// Target verify decodes (plain steps included, one token each).
+    pub cycles: usize,
+    /// Tokens committed by those cycles (bonus included).
+    pub cycle_tokens: usize,
+    pub n_drafted: usize,
+    pub n_draft_accepted: usize,
+    /// `accepted_hist[n]`: speculative cycles that accepted exactly `n` drafted tokens.
+    pub accepted_hist: Vec<usize>,
+    pub prefill_ms: f64,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    pub host_ms: f64,
+    pub total_ms: f64,
+}
+
+impl Stats {
+    /// Mean tokens committed per target verify, bonus included.
+    pub fn tau(&self) -> f64 {
+        if self.cycles == 0 {
+            0.0
+        } else {
+            self.cycle_tokens as f64 / self.cycles as f64
+        }
+    }
+
+    /// Generation speed after the prompt (the first token comes from the prefill).
+    pub fn tokens_per_second(&self) -> f64 {
+        let ms = self.total_ms - self.prefill_ms;
+        if ms <= 0.0 {
+            0.0
+        } else {
+            self.n_generated.saturating_sub(1) as f64 * 1000.0 / ms
+        }
+    }
+
+    fn record_cycle(&mut self, drafted: usize, accepted: usize) {
+        self.cycles += 1;
+        self.cycle_tokens += accepted + 1;
+        self.n_drafted += drafted;
+        self.n_draft_accepted += accepted;
+        if drafted == 0 {
+            return; // a plain step: nothing was proposed
+        }
+        if self.accepted_hist.len() <= accepted {
+            self.accepted_hist.resize(accepted + 1, 0);
+        }
+        self.accepted_hist[accepted] += 1;
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<Token>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub stats: Stats,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Llama(#[from] LlamaError),
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
+    #[error(transparent)]
+    Pair(#[from] crate::gguf::PairCheckError),
+    #[error("the prompt has {n_prompt} tokens but the context holds {n_ctx}: shorten it or raise --ctx-size")]
+    PromptTooLong { n_prompt: usize, n_ctx: usize },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("{0}")]
+    Config(String),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+pub struct Engine {
+    // Field order is drop order: the drafter's context borrows from the target's.
+    drafter: Option<Drafter>,
+    target: Context,
+    batch: Batch,
+    /// Tokens whose K/V are in the target cache (and whose features are in the drafter's).
+    cached: Vec<Token>,
+    features: Vec<f32>,
+    /// Scratch: the token history of a verify row (for the repetition penalty).
+    history: Vec<Token>,
+}
+
+impl Engine {
+    /// Load the models named in `cfg`. The files are checked first (readable GGUF, and a
+    /// drafter that pairs with the target), so a bad file is a clear error, not an abort.
+    pub fn load(cfg: &EngineConfig) -> Result<Self> {
+        match &cfg.drafter {
+            Some(d) => drop(crate::gguf::check_pair_files(&cfg.target, d)?),
+            None => drop(crate::gguf::read_model_info(&cfg.target)?),
+        }
+        let mparams = ModelParams { n_gpu_layers: cfg.n_gpu_layers };
+        let target_model = Arc::new(Model::load(&cfg.target, &mparams)?);
+        let drafter_model = match &cfg.drafter {
+            Some(p) => Some(Arc::new(Model::load(p, &mparams)?)),
+            None => None,
+        };
+        Self::from_models(target_model, drafter_model, cfg)
+    }
+
+    pub fn from_models(target: Arc<Model>, drafter: Option<Arc<Model>>, cfg: &EngineConfig) -> Result<Self> {
+        let features = match &drafter {
+            None => FeatureSource::None,
+            Some(d) => {
+                let layers = d.target_layer_ids();
+                if let Some(&bad) = layers.iter().find(|&&l| l < 1 || l as usize >= target.n_layer()) {
+                    return Err(EngineError::Config(format!(
+                        "drafter reads target layer {bad}, the target has layers 1..{} to read from",
+                        target.n_layer().saturating_sub(1)
+                    )));
+                }
+                match cfg.features {
+                    FeatureMode::Auto => FeatureSource::auto(&target.architecture(), layers),
+                    FeatureMode::Native => FeatureSource::Native(layers),
+                    FeatureMode::Callback => FeatureSource::Callback(layers),
+                }
+            }
+        };
+        let n_batch = cfg.n_batch.max(64);
+        // Token trees put each leaf in its own sequence, all in one unified cache.
+        let n_seq_max = if drafter.is_some() { MAX_TREE_LEAVES + 1 } else { 1 };
+        let params =
+            ContextParams { n_ctx: cfg.n_ctx, n_batch, n_seq_max, n_threads: cfg.n_threads, features };
+        let target_ctx = Context::new(target, &params, None)?;
+        let drafter = match drafter {
+            Some(d) => Some(Drafter::new(d, &target_ctx, cfg.n_threads)?),
+            None => None,
+        };
+        Ok(Self {
+            drafter,
+            batch: Batch::tokens(target_ctx.n_batch(), n_seq_max),
+            target: target_ctx,
+            cached: Vec::new(),
+            features: Vec::new(),
+            history: Vec::new(),
+        })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        self.target.model()
+    }
+
+    pub fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
+    }
+
+    pub fn drafter(&self) -> Option<&Drafter> {
+        self.drafter.as_ref()
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.target.n_ctx()
+    }
+
+    /// Forget the cached conversation.
+    pub fn reset(&mut self) -> Result<()> {
+        self.truncate_cache(0)
+    }
+
+    /// Generate a continuation of `prompt`. `on_tokens` sees every batch of committed
+    /// tokens as it lands and returns `false` to stop.
+    pub fn generate(
+        &mut self,
+        prompt: &[Token],
+        opts: &GenerateOptions,
+        mut on_tokens: impl FnMut(&[Token]) -> bool,
+    ) -> Result<Generation> {
+        let t_start = Instant::now();
+        let mut stats = Stats { n_prompt: prompt.len(), ..Stats::default() };
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if opts.n_predict == 0 {
+            return Err(EngineError::Config("n_predict must be at least 1".into()));
+        }
+        if prompt.len() >= self.n_ctx() {
+            return Err(EngineError::PromptTooLong { n_prompt: prompt.len(), n_ctx: self.n_ctx() });
+        }
+        let speculative = opts.select != SelectMode::None && self.drafter.is_some();
+        if speculative && opts.select == SelectMode::Tree && !opts.sampling.is_greedy() {
+            tracing::info!("tree selection samples a single path at temperature > 0");
+        }
+        let mut sampler = Sampler::new(opts.sampling.clone());
+
+        let mut next = self.prefill(prompt, &mut sampler, &mut stats)?;
+        stats.prefill_ms = ms_since(t_start);
+
+        let mut out = Output::new(opts);
+        let mut finish = out.push(self.model(), &[next]);
+        if finish.is_none() && !on_tokens(&[next]) {
+            finish = Some(FinishReason::Cancelled);
+        }
+        while finish.is_none() {
+            // `next` is committed but not yet decoded: it sits at position cached.len().
+            let pos = self.cached.len();
+            if pos >= self.n_ctx() {
+                finish = Some(FinishReason::Context);
+                break;
+            }
+            let remaining = opts.n_predict - out.tokens.len();
+            let room = self.n_ctx() - pos - 1;
+            let max_draft = opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
+            let new_tokens = if speculative && max_draft > 0 {
+                self.speculative_step(next, max_draft, opts, &mut sampler, &mut stats)?
+            } else {
+                self.plain_step(next, &mut sampler, &mut stats)?
+            };
+            next = *new_tokens.last().expect("a step commits at least one token");
+            finish = out.push(self.model(), &new_tokens);
+            if finish.is_none() && !on_tokens(&new_tokens) {
+                finish = Some(FinishReason::Cancelled);
+            }
+        }
+        stats.n_generated = out.tokens.len();
+        stats.total_ms = ms_since(t_start);
+        Ok(Generation { text: out.text(), tokens: out.tokens, finish: finish.unwrap_or(FinishReason::Length), stats })
+    }
+
+    /// Decode the part of `prompt` not already cached; returns the first generated token.
+    fn prefill(&mut self, prompt: &[Token], sampler: &mut Sampler, stats: &mut Stats) -> Result<Token> {
+        // Reuse the cached prefix, but always decode at least the last prompt token:
+        // its logits give the first generated token.
+        let common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let keep = common.min(prompt.len() - 1);
+        self.truncate_cache(keep)?;
+        let todo = &prompt[keep..];
+        stats.n_prompt_decoded = todo.len();
+        let n_batch = self.batch.capacity();
+        let mut last_logits_row = 0;
+        for (c, chunk) in todo.chunks(n_batch).enumerate() {
+            let is_last_chunk = (c + 1) * n_batch >= todo.len();
+            self.batch.clear();
+            let pos0 = self.cached.len();
+            for (i, &t) in chunk.iter().enumerate() {
+                let output = is_last_chunk && i + 1 == chunk.len();
+                self.batch.add_token(t, (pos0 + i) as i32, &[0], output)?;
+            }
+            self.target.decode(&self.batch, "prompt")?;
+            let rows: Vec<usize> = (0..chunk.len()).collect();
+            self.inject_rows(&rows, pos0)?;
+            self.cached.extend_from_slice(chunk);
+            last_logits_row = chunk.len() - 1;
+        }
+        Ok(sampler.pick(self.target.logits(last_logits_row)?, prompt))
+    }
+
+    /// Decode `last` alone and pick the target's next token.
+    fn plain_step(&mut self, last: Token, sampler: &mut Sampler, stats: &mut Stats) -> Result<Vec<Token>> {
+        let t0 = Instant::now();
+        let pos = self.cached.len();
+        self.batch.clear();
+        self.batch.add_token(last, pos as i32, &[0], true)?;
+        self.target.decode(&self.batch, "generation step")?;
+        self.history.clear();
+        if sampler.uses_history() {
+            self.history.extend_from_slice(&self.cached);
+            self.history.push(last);
+        }
+        let next = sampler.pick(self.target.logits(0)?, &self.history);
+        stats.verify_ms += ms_since(t0);
+        let t1 = Instant::now();
+        self.inject_rows(&[0], pos)?;
+        stats.draft_ms += ms_since(t1);
+        self.cached.push(last);
+        stats.record_cycle(0, 0);
+        Ok(vec![next])
+    }
+
+    /// One speculative cycle: draft after `last`, verify `[last, draft...]` in one target
+    /// decode, commit the accepted path plus the target's own next token.
+    fn speculative_step(
+        &mut self,
+        last: Token,
+        max_draft: usize,
+        opts: &GenerateOptions,
+        sampler: &mut Sampler,
+        stats: &mut Stats,
+    ) -> Result<Vec<Token>> {
+        let pos0 = self.cached.len();
+        let drafter = self.drafter.as_mut().expect("speculative_step needs a drafter");
+
+        let t0 = Instant::now();
+        let lattice = drafter.draft(last, pos0, max_draft + 1)?;
+        let t1 = Instant::now();
+        stats.draft_ms += (t1 - t0).as_secs_f64() * 1e3;
+
+        let temperature = sampler.params().temperature;
+        let tree = if sampler.is_greedy() {
+            select(opts, &lattice, max_draft)
+        } else {
+            // Rejection sampling needs drafts drawn from q: a sampled path.
+            sample_path(&lattice, max_draft, temperature, sampler.rng())
+        };
+        let n_leaves = self.fill_verify_batch(last, pos0, &tree)?;
+        let t2 = Instant::now();
+        stats.host_ms += (t2 - t1).as_secs_f64() * 1e3;
+
+        self.target.decode(&self.batch, "verify")?;
+        let t3 = Instant::now();
+        stats.verify_ms += (t3 - t2).as_secs_f64() * 1e3;
+
+        let (path, next) = if sampler.is_greedy() {
+            self.accept_greedy(last, &tree, sampler)?
+        } else {
+            let ps = (0..=tree.len())
+                .map(|row| {
+                    self.row_history(last, &tree, row, sampler);
+                    Ok(sampler.distribution(self.target.logits(row)?, &self.history))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let qs: Vec<Vec<(i32, f32)>> = tree
+                .nodes
+                .iter()
+                .map(|n| {
+                    let pred = n.parent.map_or(0, |p| tree.nodes[p].cand);
+                    proposal(&lattice, n.depth - 1, pred, temperature)
+                })
+                .collect();
+            let drafts: Vec<Token> = tree.nodes.iter().map(|n| n.token).collect();
+            let r = verify_chain(&drafts, &qs, &ps, sampler.rng());
+            ((0..r.n_accepted).collect::<Vec<_>>(), r.next)
+        };
+        let n_acc = path.len();
+        let t4 = Instant::now();
+        stats.host_ms += (t4 - t3).as_secs_f64() * 1e3;
+
+        // Commit: the target keeps `last` and the accepted path, the drafter receives
+        // their features; everything else leaves both caches.
+        self.commit_target(pos0, &tree, &path, n_leaves)?;
+        let rows: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
+        self.inject_rows(&rows, pos0)?;
+        stats.draft_ms += ms_since(t4);
+
+        self.cached.push(last);
+        let mut committed: Vec<Token> = path.iter().map(|&i| tree.nodes[i].token).collect();
+        self.cached.extend_from_slice(&committed);
+        committed.push(next);
+        stats.record_cycle(tree.len(), n_acc);
+        Ok(committed)
+    }
+
+    /// Lay out `[last, nodes...]` for one verify decode. A chain lives in sequence 0; a
+    /// tree gives each leaf its own sequence (1..=leaves, sharing the cached prefix)
+    /// and each token the sequences of the leaves below it, at position = depth.
+    /// Returns the number of leaf sequences used (0 for a chain).
+    fn fill_verify_batch(&mut self, last: Token, pos0: usize, tree: &DraftTree) -> Result<usize> {
+        self.batch.clear();
+        if tree.is_chain() {
+            self.batch.add_token(last, pos0 as i32, &[0], true)?;
+            for node in &tree.nodes {
+                self.batch.add_token(node.token, (pos0 + node.depth) as i32, &[0], true)?;
+            }
+            return Ok(0);
+        }
+        let leaves = tree.leaves();
+        if leaves.len() > MAX_TREE_LEAVES {
+            return Err(EngineError::Config(format!("a tree of {} leaves exceeds {MAX_TREE_LEAVES}", leaves.len())));
+        }
+        let mut seqs: Vec<Vec<i32>> = vec![Vec::new(); tree.len()];
+        for (li, &leaf) in leaves.iter().enumerate() {
+            for node in tree.path_to(leaf) {
+                seqs[node].push(li as i32 + 1);
+            }
+        }
+        for s in 1..=leaves.len() as i32 {
+            self.target.seq_cp(0, s, -1, -1);
+        }
+        let all: Vec<i32> = (0..=leaves.len() as i32).collect();
+        self.batch.add_token(last, pos0 as i32, &all, true)?;
+        for (node, s) in tree.nodes.iter().zip(&seqs) {
+            self.batch.add_token(node.token, (pos0 + node.depth) as i32, s, true)?;
+        }
+        Ok(leaves.len())
+    }
+
+    /// Keep `last` and the accepted `path` in sequence 0 of the target cache; drop the rest.
+    fn commit_target(&mut self, pos0: usize, tree: &DraftTree, path: &[usize], n_leaves: usize) -> Result<()> {
+        let keep_end = (pos0 + 1 + path.len()) as i32;
+        if n_leaves == 0 {
+            return self.target.seq_rm(0, keep_end, -1).map_err(Into::into);
+        }
+        if let Some(&deepest) = path.last() {
+            // Any leaf below the deepest accepted node holds exactly the accepted path.
+            let leaf = tree.leaves().iter().position(|&l| tree.path_to(l).contains(&deepest));
+            let seq = leaf.expect("every node has a leaf below it") as i32 + 1;
+            self.target.seq_cp(seq, 0, pos0 as i32 + 1, keep_end);
+        }
+        for s in 1..=n_leaves as i32 {
+            self.target.seq_rm(s, -1, -1)?;
+        }
+        Ok(())
+    }
+
+    /// Greedy verification: follow the target's argmax down the tree.
+    fn accept_greedy(&mut self, last: Token, tree: &DraftTree, sampler: &Sampler) -> Result<(Vec<usize>, Token)> {
+        let failure = std::cell::RefCell::new(None);
+        let history = std::cell::RefCell::new(std::mem::take(&mut self.history));
+        let accepted = accept_greedy(tree, |row| {
+            let mut h = history.borrow_mut();
+            fill_row_history(&mut h, &self.cached, last, tree, row, sampler);
+            match self.target.logits(row) {
+                Ok(l) => sampler.distribution(l, &h).argmax(),
+                Err(e) => {
+                    failure.borrow_mut().get_or_insert(e);
+                    -1
+                }
+            }
+        });
+        self.history = history.into_inner();
+        match failure.into_inner() {
+            Some(e) => Err(e.into()),
+            None => Ok((accepted.nodes, accepted.bonus)),
+        }
+    }
+
+    fn row_history(&mut self, last: Token, tree: &DraftTree, row: usize, sampler: &Sampler) {
+        fill_row_history(&mut self.history, &self.cached, last, tree, row, sampler);
+    }
+
+    /// Feed the features of `rows` of the last target decode to the drafter, at
+    /// consecutive positions from `pos0`.
+    fn inject_rows(&mut self, rows: &[usize], pos0: usize) -> Result<()> {
+        let Some(drafter) = self.drafter.as_mut() else { return Ok(()) };
+        self.features.clear();
+        self.target.append_features(rows, &mut self.features)?;
+        drafter.inject(&self.features, pos0)?;
+        Ok(())
+    }
+
+    fn truncate_cache(&mut self, keep: usize) -> Result<()> {
+        if keep < self.cached.len() || keep == 0 {
+            self.target.seq_rm(0, keep as i32, -1)?;
+            if let Some(d) = self.drafter.as_mut() {
+                d.truncate(keep)?;
+            }
+            self.cached.truncate(keep);
+        }
+        Ok(())
+    }
+
+    /// Tokens held in the cache (prompt and committed output, the last token excluded).
+    pub fn cached_tokens(&self) -> &[Token] {
+        &self.cached
+    }
+
+    /// Cache positions held by the target and the drafter (they must equal `cached_tokens().len()`).
+    pub fn cache_extents(&self) -> (usize, Option<usize>) {
+        ((self.target.seq_pos_max(0) + 1) as usize, self.drafter.as_ref().map(|d| d.cached_len()))
+    }
+}
+
+fn select(opts: &GenerateOptions, lattice: &lattice::Lattice, max_draft: usize) -> DraftTree {
+    match opts.select {
+        SelectMode::None | SelectMode::Greedy => Greedy.select(lattice, max_draft),
+        SelectMode::BestPath => BestPath.select(lattice, max_draft),
+        SelectMode::Tree => TreeBestFirst.select(lattice, opts.tree_budget),
+    }
+}
+
+/// The history a verify row's distribution depends on: the cache, `last`, and the
+/// drafted path down to that row's node (left empty when no penalty reads it).
+fn fill_row_history(
+    out: &mut Vec<Token>,
+    cached: &[Token],
+    last: Token,
+    tree: &DraftTree,
+    row: usize,
+    sampler: &Sampler,
+) {
+    out.clear();
+    if !sampler.uses_history() {
+        return;
+    }
+    out.extend_from_slice(cached);
+    out.push(last);
+    if row > 0 {
+        out.extend(tree.path_to(row - 1).into_iter().map(|i| tree.nodes[i].token));
+    }
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Generated tokens and text, with the stop conditions applied as tokens land.
+struct Output<'a> {
+    opts: &'a GenerateOptions,
+    tokens: Vec<Token>,
+    bytes: Vec<u8>,
+    /// Text length after a stop string was found (the stop string excluded).
+    stop_at: Option<usize>,
+}
+
+impl<'a> Output<'a> {
+    fn new(opts: &'a GenerateOptions) -> Self {
+        Self { opts, tokens: Vec::new(), bytes: Vec::new(), stop_at: None }
+    }
+
+    /// Take newly committed tokens in order; returns why generation ends, if it does.
+    fn push(&mut self, model: &Model, new: &[Token]) -> Option<FinishReason> {
+        for &t in new {
+            if model.is_eog(t) {
+                return Some(FinishReason::Eog);
+            }
+            self.tokens.push(t);
+            let from = self.bytes.len();
+            self.bytes.extend_from_slice(&model.token_bytes(t, false));
+            if let Some(at) = self.find_stop(from) {
+                self.stop_at = Some(at);
+                return Some(FinishReason::Stop);
+            }
+            if self.tokens.len() >= self.opts.n_predict {
+                return Some(FinishReason::Length);
+            }
+        }
+        None
+    }
+
+    /// Earliest stop string that ends in the bytes added from `from` on.
+    fn find_stop(&self, from: usize) -> Option<usize> {
+        self.opts
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| {
+                let s = s.as_bytes();
+                let start = from.saturating_sub(s.len() - 1);
+                self.bytes[start..].windows(s.len()).position(|w| w == s).map(|p| start + p)
+            })
+            .min()
+    }
+
+    fn text(&self) -> String {
+        let end = self.stop_at.unwrap_or(self.bytes.len());
+        String::from_utf8_lossy(&self.bytes[..end]).into_owned()
+    }
+}

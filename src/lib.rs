@@ -1,0 +1,8 @@
+//! dflash2: DFlash 2 speculative decoding for llama.cpp.
+pub mod draft;
+pub mod llama;
+pub mod sampling;
+pub mod verify;
+pub mod engine;
+pub mod cli;
+pub mod gguf;

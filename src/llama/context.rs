@@ -1,0 +1,281 @@
+//! A llama.cpp context: decoding, logits, KV-cache edits, and the target-feature
+//! capture that feeds a DFlash drafter.
+use super::{shim, Batch, LlamaError, Model, Result};
+use llama_cpp_sys_2 as sys;
+use std::sync::Arc;
+
+/// How a target context provides the inputs of the layers a drafter reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FeatureSource {
+    /// No features (a plain or drafter context).
+    None,
+    /// llama.cpp's own layer-input extraction (architectures whose graph sets it).
+    Native(Vec<i32>),
+    /// The graph-evaluation callback copies `l_out-<il-1>`: works for any architecture.
+    Callback(Vec<i32>),
+}
+
+impl FeatureSource {
+    pub fn layers(&self) -> &[i32] {
+        match self {
+            FeatureSource::None => &[],
+            FeatureSource::Native(l) | FeatureSource::Callback(l) => l,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ContextParams {
+    pub n_ctx: usize,
+    pub n_batch: usize,
+    pub n_seq_max: usize,
+    pub n_threads: i32,
+    pub features: FeatureSource,
+}
+
+/// The raw context plus what must outlive it (its model, the capture state the
+/// callback writes into, and the context it borrows weights from).
+struct Handle {
+    ptr: std::ptr::NonNull<sys::llama_context>,
+    capture: Option<CaptureBox>,
+    _other: Option<Arc<Handle>>,
+    _model: Arc<Model>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // Fields drop after this: the capture and the other context outlive llama_free.
+        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}
+
+struct CaptureBox(std::ptr::NonNull<shim::dflash2_capture>);
+
+impl Drop for CaptureBox {
+    fn drop(&mut self) {
+        unsafe { shim::dflash2_capture_free(self.0.as_ptr()) }
+    }
+}
+
+pub struct Context {
+    h: Arc<Handle>,
+    model: Arc<Model>,
+    features: FeatureSource,
+    n_ctx: usize,
+    n_batch: usize,
+    /// Rows of the last decoded batch (the rows that features and logits refer to).
+    last_batch_len: usize,
+}
+
+// A context is used by one thread at a time (`&mut self` for everything that runs it).
+unsafe impl Send for Context {}
+
+impl Context {
+    /// A context over `model`. A DFlash drafter context passes its target's context as
+    /// `other`: the drafter borrows the target's embeddings and output head from it.
+    pub fn new(model: Arc<Model>, params: &ContextParams, other: Option<&Context>) -> Result<Self> {
+        let mut cp = unsafe { sys::llama_context_default_params() };
+        cp.n_ctx = params.n_ctx as u32;
+        cp.n_batch = params.n_batch as u32;
+        cp.n_ubatch = params.n_batch as u32;
+        cp.n_seq_max = params.n_seq_max.max(1) as u32;
+        // One cache shared by all sequences: otherwise llama.cpp splits n_ctx among them.
+        cp.kv_unified = true;
+        // llama.cpp reserves at least one output row per sequence and by default allows
+        // only n_batch (which it clamps to n_ctx): room for both.
+        cp.n_outputs_max = params.n_batch.max(params.n_seq_max) as u32;
+        cp.n_threads = params.n_threads;
+        cp.n_threads_batch = params.n_threads;
+        cp.no_perf = true;
+        if let Some(o) = other {
+            cp.ctx_other = o.h.ptr.as_ptr();
+        }
+        let capture = match &params.features {
+            FeatureSource::Callback(layers) => {
+                let raw = unsafe {
+                    shim::dflash2_capture_new(layers.as_ptr(), layers.len() as u32, model.n_embd() as i64)
+                };
+                let cap = std::ptr::NonNull::new(raw)
+                    .map(CaptureBox)
+                    .ok_or_else(|| LlamaError::Capture("cannot allocate capture state".into()))?;
+                cp.cb_eval = Some(shim::dflash2_capture_eval);
+                cp.cb_eval_user_data = cap.0.as_ptr().cast();
+                Some(cap)
+            }
+            _ => None,
+        };
+        let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
+        let ptr = std::ptr::NonNull::new(raw)
+            .ok_or_else(|| LlamaError::CreateContext { what: model.path().to_string() })?;
+        if let FeatureSource::Native(layers) = &params.features {
+            for &l in layers {
+                unsafe { shim::dflash2_set_embeddings_layer_inp(ptr.as_ptr(), l as u32, true) };
+            }
+        }
+        let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) } as usize;
+        let n_batch = unsafe { sys::llama_n_batch(ptr.as_ptr()) } as usize;
+        let h = Arc::new(Handle { ptr, capture, _other: other.map(|o| o.h.clone()), _model: model.clone() });
+        Ok(Self { h, model, features: params.features.clone(), n_ctx, n_batch, last_batch_len: 0 })
+    }
+
+    fn ptr(&self) -> *mut sys::llama_context {
+        self.h.ptr.as_ptr()
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    pub fn n_batch(&self) -> usize {
+        self.n_batch
+    }
+
+    pub fn set_causal_attn(&mut self, causal: bool) {
+        unsafe { sys::llama_set_causal_attn(self.ptr(), causal) }
+    }
+
+    /// Make a DFlash drafter output its extra rows (the DFlash 2 lattice).
+    pub fn set_nextn(&mut self, value: bool, masked: bool) {
+        unsafe { shim::dflash2_set_embeddings_nextn(self.ptr(), value, masked) }
+    }
+
+    pub fn decode(&mut self, batch: &Batch, what: &'static str) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        if let Some(cap) = &self.h.capture {
+            unsafe { shim::dflash2_capture_clear(cap.0.as_ptr()) };
+        }
+        let code = unsafe { sys::llama_decode(self.ptr(), batch.raw()) };
+        if code != 0 {
+            return Err(LlamaError::Decode { code, what });
+        }
+        self.last_batch_len = batch.len();
+        if let Some(cap) = &self.h.capture {
+            let err = unsafe { shim::dflash2_capture_error(cap.0.as_ptr()) };
+            if !err.is_null() {
+                let msg = unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned();
+                return Err(LlamaError::Capture(msg));
+            }
+        }
+        Ok(())
+    }
+
+    /// Logits of row `i` of the last decoded batch (the row must have asked for output).
+    pub fn logits(&self, i: usize) -> Result<&[f32]> {
+        let p = unsafe { sys::llama_get_logits_ith(self.ptr(), i as i32) };
+        if p.is_null() {
+            return Err(LlamaError::Invalid(format!("no logits for batch row {i}")));
+        }
+        Ok(unsafe { std::slice::from_raw_parts(p, self.model.n_vocab()) })
+    }
+
+    /// The drafter's extra output rows of the last decode, `n_embd` floats per batch row.
+    pub fn nextn(&self) -> Result<&[f32]> {
+        let p = unsafe { shim::dflash2_get_embeddings_nextn(self.ptr()) };
+        if p.is_null() {
+            return Err(LlamaError::Invalid("the drafter produced no lattice rows".into()));
+        }
+        Ok(unsafe { std::slice::from_raw_parts(p, self.last_batch_len * self.model.n_embd()) })
+    }
+
+    /// Append the target features of `rows` of the last decoded batch to `out`: for
+    /// each row, the inputs of every feature layer concatenated in layer order.
+    pub fn append_features(&self, rows: &[usize], out: &mut Vec<f32>) -> Result<()> {
+        if let Some(&bad) = rows.iter().find(|&&r| r >= self.last_batch_len) {
+            return Err(LlamaError::Invalid(format!(
+                "feature row {bad} beyond the last batch ({} rows)",
+                self.last_batch_len
+            )));
+        }
+        let n_embd = self.model.n_embd();
+        let layers = self.layer_slices()?;
+        out.reserve(rows.len() * layers.len() * n_embd);
+        for &r in rows {
+            for l in &layers {
+                out.extend_from_slice(&l[r * n_embd..(r + 1) * n_embd]);
+            }
+        }
+        Ok(())
+    }
+
+    fn layer_slices(&self) -> Result<Vec<&[f32]>> {
+        let n_embd = self.model.n_embd();
+        let rows = self.last_batch_len;
+        match &self.features {
+            FeatureSource::None => Err(LlamaError::Capture("this context captures no features".into())),
+            FeatureSource::Native(layers) => layers
+                .iter()
+                .map(|&l| {
+                    let p = unsafe { shim::dflash2_get_embeddings_layer_inp(self.ptr(), l as u32) };
+                    if p.is_null() {
+                        return Err(LlamaError::Capture(format!("layer {l} input was not extracted")));
+                    }
+                    Ok(unsafe { std::slice::from_raw_parts(p, rows * n_embd) })
+                })
+                .collect(),
+            FeatureSource::Callback(layers) => {
+                let cap = self.h.capture.as_ref().expect("callback source always has a capture");
+                (0..layers.len())
+                    .map(|i| {
+                        let mut n: i64 = 0;
+                        let p = unsafe { shim::dflash2_capture_rows(cap.0.as_ptr(), i as u32, &mut n) };
+                        if p.is_null() || (n as usize) < rows {
+                            return Err(LlamaError::Capture(format!(
+                                "layer {} input: captured {n} rows, the batch had {rows}",
+                                layers[i]
+                            )));
+                        }
+                        Ok(unsafe { std::slice::from_raw_parts(p, rows * n_embd) })
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    fn memory(&self) -> sys::llama_memory_t {
+        unsafe { sys::llama_get_memory(self.ptr()) }
+    }
+
+    /// Drop the cache cells of `seq` at positions `[p0, p1)` (`p1 < 0`: to the end).
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<()> {
+        if unsafe { sys::llama_memory_seq_rm(self.memory(), seq, p0, p1) } {
+            Ok(())
+        } else {
+            Err(LlamaError::Invalid(format!("cannot remove cache positions {p0}..{p1} of sequence {seq}")))
+        }
+    }
+
+    /// Copy the cells of `src` at `[p0, p1)` into `dst` (they are shared, not duplicated).
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) {
+        unsafe { sys::llama_memory_seq_cp(self.memory(), src, dst, p0, p1) }
+    }
+
+    /// Largest position held for `seq`, -1 when empty.
+    pub fn seq_pos_max(&self, seq: i32) -> i32 {
+        unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) }
+    }
+
+    pub fn clear_memory(&mut self) {
+        unsafe { sys::llama_memory_clear(self.memory(), true) }
+    }
+}
+
+/// Architectures whose llama.cpp graph exposes layer inputs (`t_layer_inp`); the rest
+/// (qwen2, gemma3, ...) would assert inside llama.cpp, so they use the callback.
+const NATIVE_FEATURE_ARCHS: &[&str] = &["llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe", "lfm2"];
+
+impl FeatureSource {
+    /// The best source for a target architecture: native where llama.cpp has it.
+    pub fn auto(arch: &str, layers: Vec<i32>) -> Self {
+        if NATIVE_FEATURE_ARCHS.contains(&arch) {
+            FeatureSource::Native(layers)
+        } else {
+            FeatureSource::Callback(layers)
+        }
+    }
+}

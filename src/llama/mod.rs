@@ -1,0 +1,57 @@
+//! The binding layer: the only module with `unsafe`.
+//!
+//! llama-cpp-2 keeps its model and context pointers private, so the handles that the
+//! DFlash calls need are owned here over llama-cpp-sys-2. llama-cpp-2 still serves
+//! alongside for what it does well: initialising the backend once per process and
+//! routing llama.cpp's log through `tracing`.
+//!
+//! Every raw pointer lives in a type that frees it on drop; callers see safe methods.
+
+mod batch;
+mod context;
+mod model;
+mod shim;
+
+pub use batch::Batch;
+pub use context::{Context, ContextParams, FeatureSource};
+pub use model::{ChatMessage, Model, ModelParams};
+
+use std::sync::Once;
+
+pub type Token = i32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LlamaError {
+    #[error("cannot load model {path}: llama.cpp rejected it (see the log above for its reason)")]
+    LoadModel { path: String },
+    #[error("cannot create a llama.cpp context for {what}")]
+    CreateContext { what: String },
+    #[error("llama_decode failed with code {code} ({what})")]
+    Decode { code: i32, what: &'static str },
+    #[error("the context is full: {needed} positions needed, the context holds {n_ctx}")]
+    ContextFull { needed: usize, n_ctx: usize },
+    #[error("tokenization failed: {0}")]
+    Tokenize(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("layer-input capture failed: {0}")]
+    Capture(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, LlamaError>;
+
+static BACKEND: Once = Once::new();
+
+/// Initialise llama.cpp's backends once per process and send its log to `tracing`,
+/// so stdout carries only what the user asked for.
+pub fn init_backend() {
+    BACKEND.call_once(|| {
+        llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default());
+        // The backend lives as long as the process: models may be loaded at any time.
+        if let Ok(backend) = llama_cpp_2::llama_backend::LlamaBackend::init() {
+            std::mem::forget(backend);
+        }
+    });
+}

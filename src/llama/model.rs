@@ -1,0 +1,240 @@
+//! A loaded GGUF model (target or drafter) and its vocabulary.
+use super::{shim, LlamaError, Result, Token};
+use llama_cpp_sys_2 as sys;
+use std::ffi::{CStr, CString};
+use std::path::Path;
+use std::ptr::NonNull;
+
+#[derive(Debug, Clone)]
+pub struct ModelParams {
+    /// Layers to offload to the GPU (0 = CPU only; ignored by CPU builds).
+    pub n_gpu_layers: i32,
+}
+
+impl Default for ModelParams {
+    fn default() -> Self {
+        Self { n_gpu_layers: 999 }
+    }
+}
+
+/// One chat turn for the model's chat template.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+pub struct Model {
+    ptr: NonNull<sys::llama_model>,
+    vocab: NonNull<sys::llama_vocab>,
+    path: String,
+}
+
+// llama.cpp models are immutable after loading and safe to share between threads.
+unsafe impl Send for Model {}
+unsafe impl Sync for Model {}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl Model {
+    pub fn load(path: &Path, params: &ModelParams) -> Result<Self> {
+        super::init_backend();
+        let shown = path.display().to_string();
+        let cpath = CString::new(path.to_string_lossy().as_bytes())
+            .map_err(|_| LlamaError::Invalid(format!("model path contains a NUL byte: {shown}")))?;
+        let mut mp = unsafe { sys::llama_model_default_params() };
+        mp.n_gpu_layers = params.n_gpu_layers;
+        let raw = unsafe { sys::llama_model_load_from_file(cpath.as_ptr(), mp) };
+        let ptr = NonNull::new(raw).ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
+        let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
+        let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
+            .ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
+        Ok(Self { ptr, vocab, path: shown })
+    }
+
+    pub(super) fn as_ptr(&self) -> *mut sys::llama_model {
+        self.ptr.as_ptr()
+    }
+
+    fn vocab_ptr(&self) -> *const sys::llama_vocab {
+        self.vocab.as_ptr()
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    pub fn n_embd(&self) -> usize {
+        unsafe { sys::llama_model_n_embd(self.as_ptr()) as usize }
+    }
+
+    pub fn n_layer(&self) -> usize {
+        unsafe { sys::llama_model_n_layer(self.as_ptr()) as usize }
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        unsafe { sys::llama_vocab_n_tokens(self.vocab_ptr()) as usize }
+    }
+
+    /// A metadata value as text (`None` when the key is absent).
+    pub fn meta(&self, key: &str) -> Option<String> {
+        let ckey = CString::new(key).ok()?;
+        let mut buf = vec![0u8; 256];
+        loop {
+            let n = unsafe {
+                sys::llama_model_meta_val_str(self.as_ptr(), ckey.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+            };
+            if n < 0 {
+                return None;
+            }
+            if (n as usize) < buf.len() {
+                buf.truncate(n as usize);
+                return Some(String::from_utf8_lossy(&buf).into_owned());
+            }
+            buf.resize(n as usize + 1, 0);
+        }
+    }
+
+    pub fn architecture(&self) -> String {
+        self.meta("general.architecture").unwrap_or_default()
+    }
+
+    pub fn is_eog(&self, token: Token) -> bool {
+        unsafe { sys::llama_vocab_is_eog(self.vocab_ptr(), token) }
+    }
+
+    /// The mask token that fills a DFlash block, if the vocabulary has one.
+    pub fn mask_token(&self) -> Option<Token> {
+        let t = unsafe { sys::llama_vocab_mask(self.vocab_ptr()) };
+        (t >= 0 && (t as usize) < self.n_vocab()).then_some(t)
+    }
+
+    /// Target layers a DFlash drafter reads (layer INPUT ids, as llama.cpp counts them).
+    pub fn target_layer_ids(&self) -> Vec<i32> {
+        unsafe {
+            let n = shim::dflash2_model_target_layer_ids_n(self.as_ptr());
+            let p = shim::dflash2_model_target_layer_ids(self.as_ptr());
+            if p.is_null() || n == 0 {
+                return Vec::new();
+            }
+            std::slice::from_raw_parts(p, n as usize).to_vec()
+        }
+    }
+
+    /// K of the DFlash 2 selector; 0 for a DFlash 1 drafter or a non-drafter.
+    pub fn selector_top_k(&self) -> usize {
+        unsafe { shim::dflash2_model_selector_top_k(self.as_ptr()).max(0) as usize }
+    }
+
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| LlamaError::Tokenize("text too long".into()))?;
+        let mut out = vec![0 as Token; text.len() + 8];
+        let mut n = unsafe {
+            sys::llama_tokenize(
+                self.vocab_ptr(),
+                text.as_ptr().cast(),
+                len,
+                out.as_mut_ptr(),
+                out.len() as i32,
+                add_special,
+                parse_special,
+            )
+        };
+        if n < 0 && n != i32::MIN {
+            out.resize((-n) as usize, 0);
+            n = unsafe {
+                sys::llama_tokenize(
+                    self.vocab_ptr(),
+                    text.as_ptr().cast(),
+                    len,
+                    out.as_mut_ptr(),
+                    out.len() as i32,
+                    add_special,
+                    parse_special,
+                )
+            };
+        }
+        if n < 0 {
+            return Err(LlamaError::Tokenize(format!("llama_tokenize returned {n}")));
+        }
+        out.truncate(n as usize);
+        Ok(out)
+    }
+
+    /// The bytes of one token (special tokens rendered when `special`); a token may
+    /// hold part of a UTF-8 character, so this is bytes, not text.
+    pub fn token_bytes(&self, token: Token, special: bool) -> Vec<u8> {
+        let mut buf = vec![0u8; 32];
+        loop {
+            let n = unsafe {
+                sys::llama_token_to_piece(self.vocab_ptr(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return buf;
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    /// Text of a token sequence (lossy on broken UTF-8).
+    pub fn detokenize(&self, tokens: &[Token], special: bool) -> String {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|&t| self.token_bytes(t, special)).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// The model's own chat template, if it ships one.
+    pub fn chat_template(&self) -> Option<String> {
+        let p = unsafe { sys::llama_model_chat_template(self.as_ptr(), std::ptr::null()) };
+        if p.is_null() {
+            return None;
+        }
+        Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
+
+    /// Render `messages` with the model's chat template, ending with the assistant's turn.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_assistant: bool) -> Result<String> {
+        let tmpl = self
+            .chat_template()
+            .ok_or_else(|| LlamaError::ChatTemplate(format!("{} has no chat template", self.path)))?;
+        let ctmpl = CString::new(tmpl).map_err(|_| LlamaError::ChatTemplate("template has a NUL byte".into()))?;
+        let owned: Vec<(CString, CString)> = messages
+            .iter()
+            .map(|m| Ok((CString::new(m.role.as_str())?, CString::new(m.content.as_str())?)))
+            .collect::<std::result::Result<_, std::ffi::NulError>>()
+            .map_err(|_| LlamaError::ChatTemplate("a message contains a NUL byte".into()))?;
+        let msgs: Vec<sys::llama_chat_message> = owned
+            .iter()
+            .map(|(r, c)| sys::llama_chat_message { role: r.as_ptr(), content: c.as_ptr() })
+            .collect();
+        let total: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
+        let mut buf = vec![0u8; 2 * total + 256];
+        for _ in 0..2 {
+            let n = unsafe {
+                sys::llama_chat_apply_template(
+                    ctmpl.as_ptr(),
+                    msgs.as_ptr(),
+                    msgs.len(),
+                    add_assistant,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                )
+            };
+            if n < 0 {
+                return Err(LlamaError::ChatTemplate(
+                    "llama.cpp does not support this model's chat template".into(),
+                ));
+            }
+            if (n as usize) <= buf.len() {
+                buf.truncate(n as usize);
+                return String::from_utf8(buf).map_err(|_| LlamaError::ChatTemplate("not UTF-8".into()));
+            }
+            buf.resize(n as usize, 0);
+        }
+        Err(LlamaError::ChatTemplate("template output kept growing".into()))
+    }
+}

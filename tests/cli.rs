@@ -1,0 +1,99 @@
+//! The `dflash2 generate` command as users run it.
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn synth_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = common::scratch_dir("cli-synth");
+        let out = dflash2(&["synth", "--out", dir.to_str().unwrap(), "--seed", "3"]);
+        assert!(out.status.success(), "synth failed: {}", String::from_utf8_lossy(&out.stderr));
+        dir
+    })
+}
+
+fn dflash2(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dflash2")).args(args).output().unwrap()
+}
+
+fn path(name: &str) -> String {
+    synth_dir().join(name).to_str().unwrap().to_string()
+}
+
+fn generate_json(extra: &[&str]) -> serde_json::Value {
+    let target = path("target.gguf");
+    let mut args = vec!["generate", "-m", &target, "-p", "Once upon a time", "-n", "24", "--json"];
+    args.extend_from_slice(extra);
+    let out = dflash2(&args);
+    assert!(out.status.success(), "generate {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
+}
+
+#[test]
+fn json_output_has_the_promised_fields_and_matches_plain_decoding() {
+    let drafter = path("drafter-dflash2.gguf");
+    let spec = generate_json(&["-d", &drafter, "--block", "8"]);
+    let plain = generate_json(&["--select", "none"]);
+    for key in ["text", "tokens", "n_generated", "tau", "cycles", "tokens_per_second", "draft_ms", "verify_ms", "host_ms"]
+    {
+        assert!(spec.get(key).is_some(), "missing {key} in {spec}");
+    }
+    assert_eq!(spec["tokens"], plain["tokens"]);
+    assert_eq!(spec["text"], plain["text"]);
+    assert_eq!(spec["n_generated"], 24);
+    assert!(spec["tau"].as_f64().unwrap() >= 1.0);
+    assert!(spec["cycles"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn chat_applies_the_targets_template() {
+    let out = generate_json(&["--select", "none", "--chat", "--system", "Be brief."]);
+    // The chatml prompt is longer than the raw one: the template was applied.
+    let raw = generate_json(&["--select", "none"]);
+    assert!(out["n_prompt"].as_u64().unwrap() > raw["n_prompt"].as_u64().unwrap() + 4);
+}
+
+#[test]
+fn a_drafter_for_another_target_is_refused_before_loading() {
+    let dir = common::scratch_dir("cli-other-target");
+    // A drafter written for the real SmolLM2 target does not pair with the synthetic one.
+    let smol = common::real_model(common::SMOLLM2);
+    let d = dflash2::gguf::synth::synth_for_target(&smol, &dir, 0).unwrap().path;
+    let target = path("target.gguf");
+    let out = dflash2(&["generate", "-m", &target, "-d", d.to_str().unwrap(), "-p", "hi", "-n", "4"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("vocabulary"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn speculative_modes_need_a_drafter() {
+    let target = path("target.gguf");
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--select", "greedy"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a drafter"));
+}
+
+#[test]
+fn a_prompt_over_the_context_exits_with_a_clear_error() {
+    let target = path("target.gguf");
+    let long = "word ".repeat(400);
+    let out = dflash2(&["generate", "-m", &target, "-p", &long, "-c", "128", "--select", "none"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("context holds"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn missing_model_file_is_a_clear_error() {
+    let out = dflash2(&["generate", "-m", "/nonexistent/model.gguf", "-p", "hi", "--select", "none"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/model.gguf"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -1,0 +1,159 @@
+//! Lossless at temperature 0: every selection mode, block size and drafter kind gives
+//! exactly the tokens of plain decoding (`--select none`), through llama.cpp itself,
+//! and both caches hold exactly the committed tokens afterwards.
+mod common;
+
+use dflash2::engine::{Engine, EngineConfig, GenerateOptions, Generation, SelectMode};
+use dflash2::llama::{Model, ModelParams, Token};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+/// The synthetic model set, written once per test process.
+fn synth_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = common::scratch_dir("lossless-synth");
+        dflash2::gguf::synth::synth_all(&dir, 7).expect("synth models");
+        dir
+    })
+}
+
+fn load(path: &Path) -> Arc<Model> {
+    Arc::new(Model::load(path, &ModelParams::default()).unwrap())
+}
+
+fn engine(target: &Arc<Model>, drafter: Option<&Arc<Model>>) -> Engine {
+    let mut cfg = EngineConfig::new(PathBuf::new(), None);
+    cfg.n_ctx = 1024;
+    cfg.n_threads = 2;
+    Engine::from_models(target.clone(), drafter.cloned(), &cfg).unwrap()
+}
+
+fn generate(e: &mut Engine, prompt: &[Token], select: SelectMode, block: usize, n: usize) -> Generation {
+    let opts = GenerateOptions { n_predict: n, select, block, tree_budget: 12, ..Default::default() };
+    let g = e.generate(prompt, &opts, |_| true).unwrap();
+    let (target_len, drafter_len) = e.cache_extents();
+    assert_eq!(target_len, e.cached_tokens().len(), "target cache holds uncommitted cells");
+    if let Some(d) = drafter_len {
+        assert_eq!(d, e.cached_tokens().len(), "drafter cache holds uncommitted cells");
+    }
+    g
+}
+
+fn tokenize(m: &Model, prompts: &[&str]) -> Vec<Vec<Token>> {
+    prompts.iter().map(|p| m.tokenize(p, true, false).unwrap()).collect()
+}
+
+#[test]
+fn speculative_output_equals_plain_on_random_drafters() {
+    let dir = synth_dir();
+    let target = load(&dir.join("target.gguf"));
+    let prompts = tokenize(&target, &common::PROMPTS);
+    let mut plain = engine(&target, None);
+    let baseline: Vec<Vec<Token>> =
+        prompts.iter().map(|p| generate(&mut plain, p, SelectMode::None, 1, 40).tokens).collect();
+    assert!(
+        baseline.iter().any(|b| b != &baseline[0]),
+        "the synthetic target ignores its prompt: the test would prove nothing"
+    );
+
+    for drafter_file in ["drafter-dflash1.gguf", "drafter-dflash2.gguf"] {
+        let drafter = load(&dir.join(drafter_file));
+        let mut spec = engine(&target, Some(&drafter));
+        for block in [2, 4, 8, 16] {
+            for select in [SelectMode::Greedy, SelectMode::BestPath, SelectMode::Tree] {
+                for (i, prompt) in prompts.iter().enumerate() {
+                    let g = generate(&mut spec, prompt, select, block, 40);
+                    assert_eq!(
+                        g.tokens, baseline[i],
+                        "{drafter_file}, block {block}, {select:?}, prompt {i}: output differs from plain decoding"
+                    );
+                    assert!(g.stats.cycles > 0);
+                }
+            }
+        }
+    }
+}
+
+/// The constructed pair: the cycle target follows a fixed 16-token cycle; its three
+/// drafters encode the same cycle, the cycle with one wrong transition, or a wrong cycle.
+#[test]
+fn constructed_drafters_are_accepted_fully_partly_and_never() {
+    let dir = synth_dir();
+    let target = load(&dir.join("target-cycle.gguf"));
+    let mut plain = engine(&target, None);
+    // One prompt per entry point into the cycle: every phase of the wrong transition.
+    let prompts: Vec<Vec<Token>> = (0..dflash2::gguf::synth::CYCLE_LEN)
+        .map(|i| {
+            let mut p = target.tokenize("start", true, false).unwrap();
+            p.push(dflash2::gguf::synth::cycle_token(i) as Token);
+            p
+        })
+        .collect();
+    let baseline: Vec<Vec<Token>> =
+        prompts.iter().map(|p| generate(&mut plain, p, SelectMode::None, 1, 48).tokens).collect();
+
+    let mut hist_by_drafter = Vec::new();
+    for name in ["exact", "partial", "wrong"] {
+        let drafter = load(&dir.join(format!("drafter-cycle-{name}.gguf")));
+        let mut spec = engine(&target, Some(&drafter));
+        let mut hist = vec![0usize; 16];
+        for block in [2, 4, 8, 16] {
+            for (i, p) in prompts.iter().enumerate() {
+                let g = generate(&mut spec, p, SelectMode::Greedy, block, 48);
+                assert_eq!(g.tokens, baseline[i], "{name}, block {block}, prompt {i}: output differs");
+                for (n, &c) in g.stats.accepted_hist.iter().enumerate() {
+                    hist[n] += c;
+                }
+                if name == "exact" && block == 16 {
+                    // 48 tokens: 1 from the prefill, then two full blocks of 16 and a last short one.
+                    assert!(g.stats.tau() > 10.0, "exact drafter, prompt {i}: tau {}", g.stats.tau());
+                }
+            }
+        }
+        hist_by_drafter.push((name, hist));
+    }
+    let (_, exact) = &hist_by_drafter[0];
+    let (_, partial) = &hist_by_drafter[1];
+    let (_, wrong) = &hist_by_drafter[2];
+    assert_eq!(exact[0], 0, "the exact drafter had a draft rejected outright: {exact:?}");
+    assert!(exact[15] > 0, "the exact drafter never filled a 16-block: {exact:?}");
+    assert_eq!(wrong.iter().skip(1).sum::<usize>(), 0, "the wrong drafter got tokens accepted: {wrong:?}");
+    assert!(wrong[0] > 0);
+    for (n, &c) in partial.iter().enumerate() {
+        assert!(c > 0, "the partial drafter never had exactly {n} tokens accepted: {partial:?}");
+    }
+}
+
+#[test]
+fn a_prompt_over_the_context_is_a_clear_error() {
+    let dir = synth_dir();
+    let target = load(&dir.join("target.gguf"));
+    let mut cfg = EngineConfig::new(PathBuf::new(), None);
+    cfg.n_ctx = 64;
+    let mut e = Engine::from_models(target.clone(), None, &cfg).unwrap();
+    let prompt: Vec<Token> = target.tokenize(&"lorem ipsum ".repeat(40), true, false).unwrap();
+    assert!(prompt.len() >= 64);
+    let err = e.generate(&prompt, &GenerateOptions::default(), |_| true).unwrap_err().to_string();
+    assert!(err.contains("context"), "{err}");
+    // The engine is still usable afterwards.
+    let ok = e.generate(&prompt[..10], &GenerateOptions { n_predict: 5, ..Default::default() }, |_| true);
+    assert_eq!(ok.unwrap().tokens.len(), 5);
+}
+
+#[test]
+fn generation_stops_at_the_end_of_the_context() {
+    let dir = synth_dir();
+    let target = load(&dir.join("target.gguf"));
+    let drafter = load(&dir.join("drafter-dflash2.gguf"));
+    for drafter in [None, Some(&drafter)] {
+        let mut cfg = EngineConfig::new(PathBuf::new(), None);
+        cfg.n_ctx = 48;
+        let mut e = Engine::from_models(target.clone(), drafter.cloned(), &cfg).unwrap();
+        let prompt = target.tokenize("The quick brown fox", true, false).unwrap();
+        let opts = GenerateOptions { n_predict: 1000, block: 16, ..Default::default() };
+        let g = e.generate(&prompt, &opts, |_| true).unwrap();
+        assert_eq!(g.finish, dflash2::engine::FinishReason::Context);
+        assert_eq!(prompt.len() + g.tokens.len(), e.n_ctx() + 1, "the last token is committed but never decoded");
+    }
+}

