@@ -291,8 +291,24 @@ impl Engine {
         opts: &GenerateOptions,
         mut on_tokens: impl FnMut(&[Token]) -> bool,
     ) -> Result<Generation> {
+        let mut run = self.start(prompt, opts)?;
+        let mut fresh = run.tokens().to_vec();
+        loop {
+            if !fresh.is_empty() && !on_tokens(&fresh) && run.finish.is_none() {
+                run.finish = Some(FinishReason::Cancelled);
+            }
+            if run.finish.is_some() {
+                break;
+            }
+            fresh = self.step(&mut run)?;
+        }
+        Ok(run.into_generation())
+    }
+
+    /// Begin a generation: decode the prompt (what the cache lacks of it) and commit the
+    /// first token. Continue with [`Engine::step`] until [`Run::finish`] is set.
+    pub fn start(&mut self, prompt: &[Token], opts: &GenerateOptions) -> Result<Run> {
         let t_start = Instant::now();
-        let mut stats = Stats { n_prompt: prompt.len(), ..Stats::default() };
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -306,40 +322,46 @@ impl Engine {
         if speculative && opts.select == SelectMode::Tree && !opts.sampling.is_greedy() {
             tracing::info!("tree selection samples a single path at temperature > 0");
         }
-        let mut sampler = Sampler::new(opts.sampling.clone());
+        let mut run = Run {
+            opts: opts.clone(),
+            sampler: Sampler::new(opts.sampling.clone()),
+            stats: Stats { n_prompt: prompt.len(), ..Stats::default() },
+            out: Output::default(),
+            next: 0,
+            finish: None,
+            speculative,
+            t_start,
+        };
+        run.next = self.prefill(prompt, &mut run.sampler, &mut run.stats)?;
+        run.stats.prefill_ms = ms_since(t_start);
+        run.commit(self.target.model(), &[run.next]);
+        Ok(run)
+    }
 
-        let mut next = self.prefill(prompt, &mut sampler, &mut stats)?;
-        stats.prefill_ms = ms_since(t_start);
-
-        let mut out = Output::new(opts);
-        let mut finish = out.push(self.model(), &[next]);
-        if finish.is_none() && !on_tokens(&[next]) {
-            finish = Some(FinishReason::Cancelled);
+    /// One cycle: a speculative draft-and-verify (or a plain step), committing at least
+    /// one token. Returns the tokens committed to the output by this cycle.
+    pub fn step(&mut self, run: &mut Run) -> Result<Vec<Token>> {
+        if run.finish.is_some() {
+            return Ok(Vec::new());
         }
-        while finish.is_none() {
-            // `next` is committed but not yet decoded: it sits at position cached.len().
-            let pos = self.cached.len();
-            if pos >= self.n_ctx() {
-                finish = Some(FinishReason::Context);
-                break;
-            }
-            let remaining = opts.n_predict - out.tokens.len();
-            let room = self.n_ctx() - pos - 1;
-            let max_draft = opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
-            let new_tokens = if speculative && max_draft > 0 {
-                self.speculative_step(next, max_draft, opts, &mut sampler, &mut stats)?
-            } else {
-                self.plain_step(next, &mut sampler, &mut stats)?
-            };
-            next = *new_tokens.last().expect("a step commits at least one token");
-            finish = out.push(self.model(), &new_tokens);
-            if finish.is_none() && !on_tokens(&new_tokens) {
-                finish = Some(FinishReason::Cancelled);
-            }
+        // `run.next` is committed but not yet decoded: it sits at position cached.len().
+        let pos = self.cached.len();
+        if pos >= self.n_ctx() {
+            run.finish = Some(FinishReason::Context);
+            return Ok(Vec::new());
         }
-        stats.n_generated = out.tokens.len();
-        stats.total_ms = ms_since(t_start);
-        Ok(Generation { text: out.text(), tokens: out.tokens, finish: finish.unwrap_or(FinishReason::Length), stats })
+        let remaining = run.opts.n_predict - run.out.tokens.len();
+        let room = self.n_ctx() - pos - 1;
+        let max_draft = run.opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
+        let new_tokens = if run.speculative && max_draft > 0 {
+            self.speculative_step(run.next, max_draft, &run.opts, &mut run.sampler, &mut run.stats)?
+        } else {
+            self.plain_step(run.next, &mut run.sampler, &mut run.stats)?
+        };
+        run.next = *new_tokens.last().expect("a step commits at least one token");
+        let before = run.out.tokens.len();
+        run.commit(self.target.model(), &new_tokens);
+        Ok(run.out.tokens[before..].to_vec())
     }
 
     /// Decode the part of `prompt` not already cached; returns the first generated token.
@@ -608,22 +630,76 @@ fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// One generation in progress: its options, sampler, output and statistics.
+pub struct Run {
+    opts: GenerateOptions,
+    sampler: Sampler,
+    stats: Stats,
+    out: Output,
+    /// The last committed token, not yet decoded by the target.
+    next: Token,
+    finish: Option<FinishReason>,
+    speculative: bool,
+    t_start: Instant,
+}
+
+impl Run {
+    /// Why the generation ended, once it has.
+    pub fn finish(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// Output tokens so far (end-of-generation tokens excluded).
+    pub fn tokens(&self) -> &[Token] {
+        &self.out.tokens
+    }
+
+    /// Output text so far (a stop string and anything after it excluded).
+    pub fn text(&self) -> String {
+        self.out.text()
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.n_generated = self.out.tokens.len();
+        s.total_ms = ms_since(self.t_start);
+        s
+    }
+
+    /// Stop the generation early (the output so far stays).
+    pub fn cancel(&mut self) {
+        self.finish.get_or_insert(FinishReason::Cancelled);
+    }
+
+    pub fn into_generation(self) -> Generation {
+        let stats = self.stats();
+        Generation {
+            text: self.out.text(),
+            tokens: self.out.tokens,
+            finish: self.finish.unwrap_or(FinishReason::Length),
+            stats,
+        }
+    }
+
+    fn commit(&mut self, model: &Model, new: &[Token]) {
+        if self.finish.is_none() {
+            self.finish = self.out.push(model, new, &self.opts);
+        }
+    }
+}
+
 /// Generated tokens and text, with the stop conditions applied as tokens land.
-struct Output<'a> {
-    opts: &'a GenerateOptions,
+#[derive(Default)]
+struct Output {
     tokens: Vec<Token>,
     bytes: Vec<u8>,
     /// Text length after a stop string was found (the stop string excluded).
     stop_at: Option<usize>,
 }
 
-impl<'a> Output<'a> {
-    fn new(opts: &'a GenerateOptions) -> Self {
-        Self { opts, tokens: Vec::new(), bytes: Vec::new(), stop_at: None }
-    }
-
+impl Output {
     /// Take newly committed tokens in order; returns why generation ends, if it does.
-    fn push(&mut self, model: &Model, new: &[Token]) -> Option<FinishReason> {
+    fn push(&mut self, model: &Model, new: &[Token], opts: &GenerateOptions) -> Option<FinishReason> {
         for &t in new {
             if model.is_eog(t) {
                 return Some(FinishReason::Eog);
@@ -631,33 +707,32 @@ impl<'a> Output<'a> {
             self.tokens.push(t);
             let from = self.bytes.len();
             self.bytes.extend_from_slice(&model.token_bytes(t, false));
-            if let Some(at) = self.find_stop(from) {
+            if let Some(at) = find_stop(&self.bytes, from, &opts.stop) {
                 self.stop_at = Some(at);
                 return Some(FinishReason::Stop);
             }
-            if self.tokens.len() >= self.opts.n_predict {
+            if self.tokens.len() >= opts.n_predict {
                 return Some(FinishReason::Length);
             }
         }
         None
     }
 
-    /// Earliest stop string that ends in the bytes added from `from` on.
-    fn find_stop(&self, from: usize) -> Option<usize> {
-        self.opts
-            .stop
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| {
-                let s = s.as_bytes();
-                let start = from.saturating_sub(s.len() - 1);
-                self.bytes[start..].windows(s.len()).position(|w| w == s).map(|p| start + p)
-            })
-            .min()
-    }
-
     fn text(&self) -> String {
         let end = self.stop_at.unwrap_or(self.bytes.len());
         String::from_utf8_lossy(&self.bytes[..end]).into_owned()
     }
+}
+
+/// Start of the earliest stop string that ends in `bytes[from..]`.
+fn find_stop(bytes: &[u8], from: usize, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| {
+            let s = s.as_bytes();
+            let start = from.saturating_sub(s.len() - 1);
+            bytes[start..].windows(s.len()).position(|w| w == s).map(|p| start + p)
+        })
+        .min()
 }

@@ -455,8 +455,9 @@ fn unprintable(t: u32) -> bool {
     }
 }
 
-/// The random llama target: real tokenizer, random weights. The output rows of [`unprintable`]
-/// tokens are zero, so their logit is 0 while the maximum over ~400 random rows is well above.
+/// The random llama target: real tokenizer, random weights, matrices in Q4_1. The output rows
+/// of [`unprintable`] tokens are zero (exactly, also in Q4_1), so their logit is 0 while the
+/// maximum over ~400 random rows is well above.
 pub fn random_target(vocab: &Vocab, seed: u64) -> Result<GgufWriter> {
     let dims = Dims { n_vocab: vocab.tokens.len() as u64, ..synth_dims() };
     let mut w = GgufWriter::new();
