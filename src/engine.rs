@@ -4,6 +4,7 @@
 //! Its cache holds one conversation: a new prompt that extends what is cached only
 //! decodes the new part. Without a drafter (or with [`SelectMode::None`]) it decodes
 //! one token per target step: the baseline every speculative mode must reproduce.
+use crate::draft::cost::CostModel;
 use crate::draft::drafter::Drafter;
 use crate::draft::select::{proposal, sample_path, BestPath, Greedy, Selector, TreeBestFirst};
 use crate::draft::{lattice, DraftTree};
@@ -75,10 +76,28 @@ pub struct GenerateOptions {
     pub select: SelectMode,
     /// Block size (anchor included): at most `block - 1` drafted tokens per cycle.
     pub block: usize,
+    /// Choose each cycle's draft length (up to `block - 1`, or the tree's size) from
+    /// measured costs and predicted acceptance, and stop drafting when it doesn't pay.
+    pub adaptive: bool,
     /// Node budget of a token tree (`SelectMode::Tree`).
     pub tree_budget: usize,
     pub stop: Vec<String>,
     pub sampling: SamplingParams,
+    /// How drafts are checked at temperature > 0. Only tests change it.
+    #[doc(hidden)]
+    pub verifier: Verifier,
+}
+
+/// Verification at temperature > 0.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Verifier {
+    /// Rejection sampling: the output follows the target's distribution.
+    #[default]
+    Rejection,
+    /// DELIBERATELY WRONG: accepts every draft. It exists so the distribution test can
+    /// show that it detects a broken verifier.
+    AcceptAll,
 }
 
 impl Default for GenerateOptions {
@@ -87,9 +106,11 @@ impl Default for GenerateOptions {
             n_predict: 128,
             select: SelectMode::Greedy,
             block: 16,
+            adaptive: false,
             tree_budget: 32,
             stop: Vec::new(),
             sampling: SamplingParams::default(),
+            verifier: Verifier::Rejection,
         }
     }
 }
@@ -202,7 +223,12 @@ pub struct Engine {
     batch: Batch,
     /// Tokens whose K/V are in the target cache (and whose features are in the drafter's).
     cached: Vec<Token>,
-    features: Vec<f32>,
+    /// Target features not yet injected into the drafter: whole rows for consecutive
+    /// positions from `pending_pos0`. Injection waits until the next draft, so plain
+    /// steps cost only a copy and the drafter gets one batched decode.
+    pending: Vec<f32>,
+    pending_pos0: usize,
+    cost: CostModel,
     /// Scratch: the token history of a verify row (for the repetition penalty).
     history: Vec<Token>,
 }
@@ -257,7 +283,9 @@ impl Engine {
             batch: Batch::tokens(target_ctx.n_batch(), n_seq_max),
             target: target_ctx,
             cached: Vec::new(),
-            features: Vec::new(),
+            pending: Vec::new(),
+            pending_pos0: 0,
+            cost: CostModel::default(),
             history: Vec::new(),
         })
     }
@@ -334,6 +362,9 @@ impl Engine {
         };
         run.next = self.prefill(prompt, &mut run.sampler, &mut run.stats)?;
         run.stats.prefill_ms = ms_since(t_start);
+        if speculative && opts.adaptive {
+            self.calibrate(opts.block.max(opts.tree_budget + 1))?;
+        }
         run.commit(self.target.model(), &[run.next]);
         Ok(run)
     }
@@ -353,7 +384,8 @@ impl Engine {
         let remaining = run.opts.n_predict - run.out.tokens.len();
         let room = self.n_ctx() - pos - 1;
         let max_draft = run.opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
-        let new_tokens = if run.speculative && max_draft > 0 {
+        let draft = run.speculative && max_draft > 0 && (!run.opts.adaptive || self.cost.should_draft());
+        let new_tokens = if draft {
             self.speculative_step(run.next, max_draft, &run.opts, &mut run.sampler, &mut run.stats)?
         } else {
             self.plain_step(run.next, &mut run.sampler, &mut run.stats)?
@@ -405,7 +437,9 @@ impl Engine {
             self.history.push(last);
         }
         let next = sampler.pick(self.target.logits(0)?, &self.history);
-        stats.verify_ms += ms_since(t0);
+        let ms = ms_since(t0);
+        stats.verify_ms += ms;
+        self.cost.record_verify(1, ms);
         let t1 = Instant::now();
         self.inject_rows(&[0], pos)?;
         stats.draft_ms += ms_since(t1);
@@ -425,27 +459,40 @@ impl Engine {
         stats: &mut Stats,
     ) -> Result<Vec<Token>> {
         let pos0 = self.cached.len();
-        let drafter = self.drafter.as_mut().expect("speculative_step needs a drafter");
-
         let t0 = Instant::now();
+        self.flush_features()?;
+        let drafter = self.drafter.as_mut().expect("speculative_step needs a drafter");
         let lattice = drafter.draft(last, pos0, max_draft + 1)?;
         let t1 = Instant::now();
-        stats.draft_ms += (t1 - t0).as_secs_f64() * 1e3;
+        let draft_ms = (t1 - t0).as_secs_f64() * 1e3;
+        stats.draft_ms += draft_ms;
+        self.cost.record_draft(draft_ms);
 
         let temperature = sampler.params().temperature;
-        let tree = if sampler.is_greedy() {
+        let mut tree = if sampler.is_greedy() {
             select(opts, &lattice, max_draft)
         } else {
             // Rejection sampling needs drafts drawn from q: a sampled path.
             sample_path(&lattice, max_draft, temperature, sampler.rng())
         };
+        let gains = tree_gains(&tree);
+        if opts.adaptive {
+            let keep = self.cost.choose_len(&gains, &tree);
+            if keep == 0 {
+                // Not worth verifying: the draft is sunk, decode plainly.
+                return self.plain_step(last, sampler, stats);
+            }
+            tree.nodes.truncate(keep);
+        }
         let n_leaves = self.fill_verify_batch(last, pos0, &tree)?;
         let t2 = Instant::now();
         stats.host_ms += (t2 - t1).as_secs_f64() * 1e3;
 
         self.target.decode(&self.batch, "verify")?;
         let t3 = Instant::now();
-        stats.verify_ms += (t3 - t2).as_secs_f64() * 1e3;
+        let verify_ms = (t3 - t2).as_secs_f64() * 1e3;
+        stats.verify_ms += verify_ms;
+        self.cost.record_verify(tree.len() + 1, verify_ms);
 
         let (path, next) = if sampler.is_greedy() {
             self.accept_greedy(last, &tree, sampler)?
@@ -465,8 +512,13 @@ impl Engine {
                 })
                 .collect();
             let drafts: Vec<Token> = tree.nodes.iter().map(|n| n.token).collect();
-            let r = verify_chain(&drafts, &qs, &ps, sampler.rng());
-            ((0..r.n_accepted).collect::<Vec<_>>(), r.next)
+            if opts.verifier == Verifier::AcceptAll {
+                let bonus = ps[drafts.len()].sample(sampler.rng());
+                ((0..drafts.len()).collect::<Vec<_>>(), bonus)
+            } else {
+                let r = verify_chain(&drafts, &qs, &ps, sampler.rng());
+                ((0..r.n_accepted).collect::<Vec<_>>(), r.next)
+            }
         };
         let n_acc = path.len();
         let t4 = Instant::now();
@@ -484,6 +536,10 @@ impl Engine {
         self.cached.extend_from_slice(&committed);
         committed.push(next);
         stats.record_cycle(tree.len(), n_acc);
+        if tree.is_chain() {
+            self.cost.record_acceptance(&gains[..tree.len()], n_acc);
+        }
+        self.cost.record_cycle(committed.len(), ms_since(t0));
         Ok(committed)
     }
 
@@ -565,13 +621,55 @@ impl Engine {
         fill_row_history(&mut self.history, &self.cached, last, tree, row, sampler);
     }
 
-    /// Feed the features of `rows` of the last target decode to the drafter, at
-    /// consecutive positions from `pos0`.
+    /// Queue the features of `rows` of the last target decode for the drafter, at
+    /// consecutive positions from `pos0` (right after what is already queued).
     fn inject_rows(&mut self, rows: &[usize], pos0: usize) -> Result<()> {
-        let Some(drafter) = self.drafter.as_mut() else { return Ok(()) };
-        self.features.clear();
-        self.target.append_features(rows, &mut self.features)?;
-        drafter.inject(&self.features, pos0)?;
+        let Some(drafter) = self.drafter.as_ref() else { return Ok(()) };
+        if self.pending.is_empty() {
+            self.pending_pos0 = pos0;
+        }
+        debug_assert_eq!(self.pending_pos0 + self.pending.len() / drafter.feature_width(), pos0);
+        self.target.append_features(rows, &mut self.pending)?;
+        Ok(())
+    }
+
+    /// Inject the queued features into the drafter's cache.
+    fn flush_features(&mut self) -> Result<()> {
+        if let Some(drafter) = self.drafter.as_mut() {
+            if !self.pending.is_empty() {
+                drafter.inject(&self.pending, self.pending_pos0)?;
+                self.pending.clear();
+            }
+        }
+        Ok(())
+    }
+
+    /// Time target decodes of the batch sizes a cycle may verify, so the first cycles
+    /// already choose their length from this machine's costs. The cells are removed again.
+    fn calibrate(&mut self, max_batch: usize) -> Result<()> {
+        let pos0 = self.cached.len();
+        let max_batch = max_batch.min(self.batch.capacity()).min(self.n_ctx().saturating_sub(pos0));
+        if self.cost.is_calibrated(max_batch) || max_batch < 2 {
+            return Ok(());
+        }
+        let token = *self.cached.last().expect("calibration runs after the prompt");
+        let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2)).take_while(|&b| b < max_batch).collect();
+        sizes.push(max_batch);
+        for &b in &sizes {
+            for rep in 0..2 {
+                self.batch.clear();
+                for i in 0..b {
+                    self.batch.add_token(token, (pos0 + i) as i32, &[0], true)?;
+                }
+                let t = Instant::now();
+                self.target.decode(&self.batch, "cost calibration")?;
+                // The first run of a size warms up (graph allocation): keep the second.
+                if rep == 1 {
+                    self.cost.record_verify(b, ms_since(t));
+                }
+                self.target.seq_rm(0, pos0 as i32, -1)?;
+            }
+        }
         Ok(())
     }
 
@@ -580,6 +678,8 @@ impl Engine {
             self.target.seq_rm(0, keep as i32, -1)?;
             if let Some(d) = self.drafter.as_mut() {
                 d.truncate(keep)?;
+                let queued_keep = keep.saturating_sub(self.pending_pos0) * d.feature_width();
+                self.pending.truncate(queued_keep);
             }
             self.cached.truncate(keep);
         }
@@ -591,9 +691,19 @@ impl Engine {
         &self.cached
     }
 
-    /// Cache positions held by the target and the drafter (they must equal `cached_tokens().len()`).
+    /// Cache positions held by the target and the drafter, counting features queued for
+    /// the drafter (both must equal `cached_tokens().len()`).
     pub fn cache_extents(&self) -> (usize, Option<usize>) {
-        ((self.target.seq_pos_max(0) + 1) as usize, self.drafter.as_ref().map(|d| d.cached_len()))
+        let drafter = self.drafter.as_ref().map(|d| {
+            let queued = self.pending.len() / d.feature_width();
+            if queued > 0 {
+                debug_assert_eq!(d.cached_len(), self.pending_pos0);
+                self.pending_pos0 + queued
+            } else {
+                d.cached_len()
+            }
+        });
+        ((self.target.seq_pos_max(0) + 1) as usize, drafter)
     }
 }
 
@@ -603,6 +713,17 @@ fn select(opts: &GenerateOptions, lattice: &lattice::Lattice, max_draft: usize) 
         SelectMode::BestPath => BestPath.select(lattice, max_draft),
         SelectMode::Tree => TreeBestFirst.select(lattice, opts.tree_budget),
     }
+}
+
+/// What each node adds to the expected accepted length: its path probability (the
+/// product of the drafter's transition probabilities from the anchor down to it).
+fn tree_gains(tree: &DraftTree) -> Vec<f32> {
+    let mut gains: Vec<f32> = Vec::with_capacity(tree.len());
+    for n in &tree.nodes {
+        let parent = n.parent.map_or(1.0, |p| gains[p]);
+        gains.push(parent * n.q);
+    }
+    gains
 }
 
 /// The history a verify row's distribution depends on: the cache, `last`, and the

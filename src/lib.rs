@@ -6,3 +6,5 @@ pub mod verify;
 pub mod engine;
 pub mod cli;
 pub mod gguf;
+pub mod server;
+pub mod capi;

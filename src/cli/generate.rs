@@ -18,10 +18,10 @@ pub struct GenerateArgs {
     /// Tokens to generate at most.
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     pub n_predict: usize,
-    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle
-    /// (default: the drafter's trained block size).
-    #[arg(long)]
-    pub block: Option<usize>,
+    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
+    /// to choose each cycle's length from measured costs (up to the trained block size).
+    #[arg(long, default_value = "auto")]
+    pub block: super::BlockArg,
     /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
     #[arg(long, value_enum, default_value_t = SelectMode::Greedy)]
     pub select: SelectMode,
@@ -84,11 +84,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     let prompt = engine.model().tokenize(&text, true, args.chat)?;
 
-    let block = match (args.block, engine.drafter()) {
-        (Some(b), _) => b,
-        (None, Some(d)) => d.trained_block(),
-        (None, None) => 1,
-    };
+    let trained = engine.drafter().map_or(1, |d| d.trained_block());
+    let (block, adaptive) = args.block.resolve(trained);
     if args.select != SelectMode::None && block < 2 {
         anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
     }
@@ -96,9 +93,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         n_predict: args.n_predict,
         select: args.select,
         block,
+        adaptive,
         tree_budget: args.tree_budget,
         stop: args.stop.clone(),
         sampling: args.sampling.params(),
+        ..Default::default()
     };
 
     let model = engine.model().clone();
@@ -144,6 +143,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             "total_ms": s.total_ms,
             "select": args.select,
             "block": block,
+            "adaptive": adaptive,
         });
         writeln!(stdout, "{out}")?;
     } else {

@@ -1,7 +1,9 @@
 //! The command line: one file per subcommand; flags are defined once, here and in
 //! the subcommand's `Args` struct.
+pub mod bench;
 pub mod generate;
 pub mod inspect;
+pub mod serve;
 pub mod synth;
 
 use clap::{Parser, Subcommand};
@@ -17,17 +19,23 @@ pub struct Cli {
 pub enum Command {
     /// Generate a completion for one prompt.
     Generate(generate::GenerateArgs),
+    /// Compare selection modes on a prompt set, side by side.
+    Bench(bench::BenchArgs),
     /// Print a GGUF's metadata and, with --target, whether a drafter pairs with it.
     Inspect(inspect::InspectArgs),
     /// Write synthetic test models (no download needed).
     Synth(synth::SynthArgs),
+    /// Serve OpenAI- and llama-server-compatible HTTP endpoints.
+    Serve(serve::ServeArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match &cli.command {
         Command::Generate(a) => generate::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
 
@@ -76,6 +84,33 @@ impl SamplingArgs {
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
             seed: self.seed,
+        }
+    }
+}
+
+/// `--block N` or `--block auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockArg {
+    Auto,
+    Fixed(usize),
+}
+
+impl std::str::FromStr for BlockArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(BlockArg::Auto);
+        }
+        s.parse().map(BlockArg::Fixed).map_err(|_| format!("expected a block size or `auto`, got `{s}`"))
+    }
+}
+
+impl BlockArg {
+    /// (block size, adaptive) given the drafter's trained block size.
+    pub fn resolve(self, trained: usize) -> (usize, bool) {
+        match self {
+            BlockArg::Auto => (trained, true),
+            BlockArg::Fixed(b) => (b, false),
         }
     }
 }

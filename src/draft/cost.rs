@@ -1,0 +1,238 @@
+//! How many tokens to draft and verify, from measured costs and predicted acceptance.
+//!
+//! On a CPU, verifying b tokens costs far more than one step (a batch of 16 can cost
+//! 8-20 plain steps), and a drafter call costs one or two steps, so the draft length
+//! must follow what this machine measures. Costs are kept as moving averages of real
+//! decodes; the acceptance the lattice predicts is calibrated against what the target
+//! actually accepts; and when drafting stops paying, the engine decodes plainly and
+//! only probes the drafter now and then.
+use super::DraftTree;
+
+/// Exponential moving average that starts at its first sample.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Ema {
+    value: Option<f64>,
+}
+
+impl Ema {
+    const ALPHA: f64 = 0.2;
+
+    pub fn add(&mut self, x: f64) {
+        self.value = Some(match self.value {
+            None => x,
+            Some(v) => v + Self::ALPHA * (x - v),
+        });
+    }
+
+    pub fn get(&self) -> Option<f64> {
+        self.value
+    }
+}
+
+/// Longest plain stretch between two probes of a drafter that does not pay.
+const MAX_PROBE_INTERVAL: usize = 64;
+
+#[derive(Debug, Clone, Default)]
+pub struct CostModel {
+    /// `verify_ms[b]`: a target decode of `b` tokens.
+    verify_ms: Vec<Ema>,
+    /// One drafter block (plus the injection of the rows before it).
+    draft_ms: Ema,
+    /// Per depth k (1-based at index k-1): observed / predicted acceptance to depth k.
+    observed: Vec<Ema>,
+    predicted: Vec<Ema>,
+    /// Realised tokens per millisecond of speculative cycles.
+    spec_rate: Ema,
+    /// Plain steps left before the next probe, and the current interval.
+    plain_left: usize,
+    probe_interval: usize,
+}
+
+impl CostModel {
+    pub fn record_verify(&mut self, batch: usize, ms: f64) {
+        if self.verify_ms.len() <= batch {
+            self.verify_ms.resize(batch + 1, Ema::default());
+        }
+        self.verify_ms[batch].add(ms);
+    }
+
+    pub fn record_draft(&mut self, ms: f64) {
+        self.draft_ms.add(ms);
+    }
+
+    pub fn is_calibrated(&self, max_batch: usize) -> bool {
+        self.verify_ms.len() > max_batch && self.verify_ms[1].get().is_some() && self.verify_ms[max_batch].get().is_some()
+    }
+
+    /// Cost of verifying `batch` tokens: measured, or interpolated between measured sizes.
+    pub fn verify_cost(&self, batch: usize) -> Option<f64> {
+        if let Some(v) = self.verify_ms.get(batch).and_then(|e| e.get()) {
+            return Some(v);
+        }
+        let below = (1..batch.min(self.verify_ms.len())).rev().find_map(|b| Some((b, self.verify_ms[b].get()?)));
+        let above = (batch + 1..self.verify_ms.len()).find_map(|b| Some((b, self.verify_ms[b].get()?)));
+        match (below, above) {
+            (Some((b0, v0)), Some((b1, v1))) => Some(v0 + (v1 - v0) * (batch - b0) as f64 / (b1 - b0) as f64),
+            (Some((b0, v0)), None) => Some(v0 * batch as f64 / b0 as f64),
+            (None, Some((b1, v1))) => Some(v1 * batch as f64 / b1 as f64),
+            (None, None) => None,
+        }
+    }
+
+    /// Acceptance to depth k predicted by the drafter, corrected by what was observed.
+    fn calibrated(&self, k: usize, p: f64) -> f64 {
+        match (self.observed.get(k).and_then(|e| e.get()), self.predicted.get(k).and_then(|e| e.get())) {
+            (Some(o), Some(q)) if q > 1e-6 => (p * (o / q).clamp(0.02, 4.0)).min(1.0),
+            _ => p,
+        }
+    }
+
+    /// How many draft nodes to verify (0 = none: a plain step). `gains[i]` is node i's
+    /// path probability (for a path: the chance it is accepted at least to depth i+1);
+    /// nodes come best-first, parents first, so any prefix is a valid draft. The draft
+    /// itself is already paid for: this maximises tokens per verify time.
+    pub fn choose_len(&self, gains: &[f32], tree: &DraftTree) -> usize {
+        let Some(plain) = self.verify_cost(1) else { return gains.len() };
+        let mut best = (0, 1.0 / plain);
+        let mut expected = 1.0;
+        for (k, &p) in gains.iter().enumerate() {
+            expected += self.calibrated(tree.nodes[k].depth - 1, p as f64);
+            let Some(cost) = self.verify_cost(k + 2) else { break };
+            let rate = expected / cost;
+            if rate > best.1 {
+                best = (k + 1, rate);
+            }
+        }
+        best.0
+    }
+
+    /// Record one verified draft: `path_probs` as predicted, `accepted` drafted tokens taken.
+    pub fn record_acceptance(&mut self, path_probs: &[f32], accepted: usize) {
+        if self.observed.len() < path_probs.len() {
+            self.observed.resize(path_probs.len(), Ema::default());
+            self.predicted.resize(path_probs.len(), Ema::default());
+        }
+        for (k, &p) in path_probs.iter().enumerate() {
+            self.predicted[k].add(p as f64);
+            self.observed[k].add(if accepted > k { 1.0 } else { 0.0 });
+        }
+    }
+
+    /// Record a whole speculative cycle: `tokens` committed in `ms`.
+    pub fn record_cycle(&mut self, tokens: usize, ms: f64) {
+        self.spec_rate.add(tokens as f64 / ms.max(1e-3));
+    }
+
+    /// Whether the next cycle should draft. Drafting continues while its realised rate
+    /// beats plain decoding; otherwise plain steps run, with a probe after an interval
+    /// that doubles each time the probe does not pay.
+    pub fn should_draft(&mut self) -> bool {
+        let (Some(rate), Some(plain)) = (self.spec_rate.get(), self.verify_cost(1)) else { return true };
+        if rate >= 1.0 / plain {
+            self.probe_interval = 0;
+            return true;
+        }
+        if self.plain_left > 0 {
+            self.plain_left -= 1;
+            return false;
+        }
+        // Probe now, and wait longer before the next probe if this one fails too.
+        self.probe_interval = (self.probe_interval * 2).clamp(4, MAX_PROBE_INTERVAL);
+        self.plain_left = self.probe_interval;
+        true
+    }
+
+    /// Predicted and observed acceptance by depth (for diagnostics).
+    pub fn calibration(&self) -> Vec<(f64, f64)> {
+        self.predicted
+            .iter()
+            .zip(&self.observed)
+            .filter_map(|(p, o)| Some((p.get()?, o.get()?)))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(costs: &[(usize, f64)]) -> CostModel {
+        let mut m = CostModel::default();
+        for &(b, ms) in costs {
+            m.record_verify(b, ms);
+        }
+        m
+    }
+
+    #[test]
+    fn verify_cost_interpolates_between_measured_sizes() {
+        let m = model(&[(1, 10.0), (4, 16.0), (8, 40.0)]);
+        assert_eq!(m.verify_cost(4), Some(16.0));
+        assert_eq!(m.verify_cost(2), Some(12.0));
+        assert_eq!(m.verify_cost(6), Some(28.0));
+        assert_eq!(m.verify_cost(16), Some(80.0));
+    }
+
+    /// Path probabilities of a chain whose per-step acceptance is `steps`.
+    fn chain(steps: &[f32]) -> (Vec<f32>, DraftTree) {
+        let mut gains = Vec::new();
+        let mut p = 1.0;
+        for &s in steps {
+            p *= s;
+            gains.push(p);
+        }
+        (gains, DraftTree::chain(&vec![0; steps.len()]))
+    }
+
+    fn choose(m: &CostModel, steps: &[f32]) -> usize {
+        let (gains, tree) = chain(steps);
+        m.choose_len(&gains, &tree)
+    }
+
+    #[test]
+    fn cheap_batches_and_confident_drafts_verify_long() {
+        // Batches almost as cheap as one step: verify everything that is likely.
+        let m = model(&[(1, 10.0), (16, 12.0)]);
+        assert_eq!(choose(&m, &[0.99; 15]), 15);
+    }
+
+    #[test]
+    fn linear_costs_or_hopeless_drafts_verify_nothing() {
+        // Each extra token costs a full step: a draft only pays if it is certain.
+        let m = model(&[(1, 10.0), (16, 160.0)]);
+        assert_eq!(choose(&m, &[0.5; 15]), 0);
+        let m = model(&[(1, 10.0), (16, 14.0)]);
+        assert_eq!(choose(&m, &[0.001; 15]), 0);
+    }
+
+    #[test]
+    fn the_length_balances_cost_against_acceptance() {
+        let m = model(&[(1, 10.0), (2, 11.0), (3, 12.0), (4, 30.0)]);
+        // Depth 1 and 2 are likely and cheap; depth 3 costs a big jump for little.
+        assert_eq!(choose(&m, &[0.9, 0.9, 0.3]), 2);
+    }
+
+    #[test]
+    fn calibration_corrects_an_overconfident_drafter() {
+        let mut m = model(&[(1, 10.0), (2, 12.0), (3, 14.0)]);
+        assert_eq!(choose(&m, &[0.9, 0.9]), 2);
+        let (gains, _) = chain(&[0.9, 0.9]);
+        for _ in 0..50 {
+            m.record_acceptance(&gains, 0);
+        }
+        assert_eq!(choose(&m, &[0.9, 0.9]), 0);
+    }
+
+    #[test]
+    fn a_drafter_that_does_not_pay_is_probed_with_growing_intervals() {
+        let mut m = model(&[(1, 10.0)]);
+        m.record_cycle(1, 30.0); // 1 token in 30 ms: worse than 1 in 10 ms
+        let pattern: Vec<bool> = (0..40).map(|_| m.should_draft()).collect();
+        let probes: Vec<usize> = pattern.iter().enumerate().filter(|(_, &d)| d).map(|(i, _)| i).collect();
+        assert_eq!(probes, vec![0, 5, 14, 31]);
+        m.record_cycle(10, 30.0);
+        m.record_cycle(10, 30.0);
+        m.record_cycle(10, 30.0);
+        assert!(m.should_draft() && m.should_draft(), "a paying drafter drafts every cycle");
+    }
+}

@@ -1,0 +1,77 @@
+//! Errors as OpenAI shapes them: `{"error": {"message", "type", "code"}}` with an HTTP status.
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed JSON, wrong types, values out of range.
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("the prompt has {n_prompt} tokens but the context holds {n_ctx}")]
+    ContextExceeded { n_prompt: usize, n_ctx: usize },
+    #[error("missing or invalid API key (send `Authorization: Bearer KEY`)")]
+    Unauthorized,
+    #[error("the model `{0}` does not exist; GET /v1/models lists the one served here")]
+    ModelNotFound(String),
+    #[error("no endpoint {0}")]
+    NotFound(String),
+    #[error("method not allowed on this endpoint")]
+    MethodNotAllowed,
+    #[error("the request body is larger than the server accepts ({0})")]
+    TooLarge(String),
+    #[error("every slot is busy and the queue is full: retry later")]
+    Busy,
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    fn parts(&self) -> (StatusCode, &'static str, &'static str) {
+        use ApiError::*;
+        match self {
+            InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
+            ContextExceeded { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded"),
+            Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
+            ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
+            NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
+            MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed"),
+            TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large"),
+            Busy => (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", "server_busy"),
+            Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
+        }
+    }
+
+    /// The JSON body, also sent as the last event of a stream that fails.
+    pub fn body(&self) -> serde_json::Value {
+        let (_, kind, code) = self.parts();
+        serde_json::json!({ "error": { "message": self.to_string(), "type": kind, "code": code } })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.parts().0, Json(self.body())).into_response()
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(r: BytesRejection) -> Self {
+        match r.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge(r.body_text()),
+            _ => ApiError::InvalidRequest(format!("cannot read the request body: {}", r.body_text())),
+        }
+    }
+}
+
+impl From<serde_json::Error> for ApiError {
+    fn from(e: serde_json::Error) -> Self {
+        use serde_json::error::Category;
+        let what = match e.classify() {
+            Category::Data => "invalid request",
+            Category::Syntax | Category::Eof | Category::Io => "malformed JSON",
+        };
+        ApiError::InvalidRequest(format!("{what}: {e}"))
+    }
+}

@@ -1,0 +1,95 @@
+//! Server counters, rendered as Prometheus text for `GET /metrics`.
+use crate::engine::{FinishReason, Generation};
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Counters shared by the HTTP handlers and the generation slots (all monotonic but `busy`).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    finished: AtomicU64,
+    cancelled: AtomicU64,
+    failed: AtomicU64,
+    rejected: AtomicU64,
+    prompt_tokens: AtomicU64,
+    predicted_tokens: AtomicU64,
+    drafted: AtomicU64,
+    draft_accepted: AtomicU64,
+    cycles: AtomicU64,
+    cycle_tokens: AtomicU64,
+    /// Microseconds, so that they fit in an atomic integer.
+    prompt_us: AtomicU64,
+    predicted_us: AtomicU64,
+    busy: AtomicU64,
+}
+
+/// Holds one slot busy; dropping it (even while unwinding) frees the slot in the counters.
+pub struct Busy<'a>(&'a Metrics);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Relaxed);
+    }
+}
+
+impl Metrics {
+    pub fn busy(&self) -> Busy<'_> {
+        self.busy.fetch_add(1, Relaxed);
+        Busy(self)
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.busy.load(Relaxed)
+    }
+
+    pub fn record(&self, g: &Generation) {
+        let s = &g.stats;
+        let done = if g.finish == FinishReason::Cancelled { &self.cancelled } else { &self.finished };
+        done.fetch_add(1, Relaxed);
+        self.prompt_tokens.fetch_add(s.n_prompt_decoded as u64, Relaxed);
+        self.predicted_tokens.fetch_add(s.n_generated as u64, Relaxed);
+        self.drafted.fetch_add(s.n_drafted as u64, Relaxed);
+        self.draft_accepted.fetch_add(s.n_draft_accepted as u64, Relaxed);
+        self.cycles.fetch_add(s.cycles as u64, Relaxed);
+        self.cycle_tokens.fetch_add(s.cycle_tokens as u64, Relaxed);
+        self.prompt_us.fetch_add((s.prefill_ms * 1e3) as u64, Relaxed);
+        self.predicted_us.fetch_add(((s.total_ms - s.prefill_ms).max(0.0) * 1e3) as u64, Relaxed);
+    }
+
+    pub fn failed(&self) {
+        self.failed.fetch_add(1, Relaxed);
+    }
+
+    pub fn rejected(&self) {
+        self.rejected.fetch_add(1, Relaxed);
+    }
+
+    /// Prometheus text exposition; `queued` and `slots` come from the scheduler.
+    pub fn render(&self, queued: usize, slots: usize) -> String {
+        let get = |c: &AtomicU64| c.load(Relaxed);
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let predicted_s = get(&self.predicted_us) as f64 / 1e6;
+        let rows: [(&str, &str, &str, f64); 16] = [
+            ("requests_finished_total", "counter", "Generations that ran to the end.", get(&self.finished) as f64),
+            ("requests_cancelled_total", "counter", "Generations stopped because the client left.", get(&self.cancelled) as f64),
+            ("requests_failed_total", "counter", "Generations that ended in an error.", get(&self.failed) as f64),
+            ("requests_rejected_total", "counter", "Requests refused with 503 (slots and queue full).", get(&self.rejected) as f64),
+            ("prompt_tokens_total", "counter", "Prompt tokens decoded (cached prefixes excluded).", get(&self.prompt_tokens) as f64),
+            ("tokens_predicted_total", "counter", "Tokens generated.", get(&self.predicted_tokens) as f64),
+            ("draft_tokens_total", "counter", "Tokens drafted.", get(&self.drafted) as f64),
+            ("draft_tokens_accepted_total", "counter", "Drafted tokens the target accepted.", get(&self.draft_accepted) as f64),
+            ("cycles_total", "counter", "Target verify decodes.", get(&self.cycles) as f64),
+            ("tau", "gauge", "Mean tokens committed per target verify, bonus included.", ratio(get(&self.cycle_tokens), get(&self.cycles))),
+            ("draft_acceptance_ratio", "gauge", "Accepted over drafted tokens.", ratio(get(&self.draft_accepted), get(&self.drafted))),
+            ("prompt_seconds_total", "counter", "Time spent on prompts.", get(&self.prompt_us) as f64 / 1e6),
+            ("predicted_tokens_seconds", "gauge", "Generation speed of one slot: tokens generated per second generating.", if predicted_s > 0.0 { get(&self.predicted_tokens) as f64 / predicted_s } else { 0.0 }),
+            ("requests_queued", "gauge", "Requests waiting for a slot.", queued as f64),
+            ("requests_in_flight", "gauge", "Slots generating now.", get(&self.busy) as f64),
+            ("slots", "gauge", "Generation slots (--parallel).", slots as f64),
+        ];
+        let mut out = String::new();
+        for (name, kind, help, value) in rows {
+            let _ = writeln!(out, "# HELP dflash2_{name} {help}\n# TYPE dflash2_{name} {kind}\ndflash2_{name} {value}");
+        }
+        out
+    }
+}

@@ -1,0 +1,93 @@
+//! `dflash2 serve`: an OpenAI- and llama-server-compatible HTTP server over the engine.
+//!
+//! Handlers (in [`routes`]) parse and check a request, turn it into tokens and
+//! [`GenerateOptions`](crate::engine::GenerateOptions), and hand it to the [`Scheduler`],
+//! whose slots run the engines on their own threads and answer through channels.
+pub mod errors;
+pub mod metrics;
+pub mod routes;
+pub mod scheduler;
+pub mod types;
+
+use crate::engine::SelectMode;
+use crate::llama::Model;
+use crate::sampling::SamplingParams;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::{middleware, Router};
+use metrics::Metrics;
+use scheduler::Scheduler;
+use std::sync::Arc;
+
+/// How requests are decoded when they don't say otherwise (and what they can't change).
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub select: SelectMode,
+    pub block: usize,
+    /// Choose each cycle's draft length from measured costs (`--block auto`).
+    pub adaptive: bool,
+    pub tree_budget: usize,
+    pub sampling: SamplingParams,
+}
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub scheduler: Scheduler,
+    pub metrics: Arc<Metrics>,
+    /// The target, for chat templates and tokenizing (read-only, shared with the slots).
+    pub model: Arc<Model>,
+    /// The name clients pass as `model`.
+    pub model_id: String,
+    pub drafter_path: Option<String>,
+    pub api_key: Option<String>,
+    pub defaults: Defaults,
+}
+
+impl AppState {
+    pub fn n_ctx(&self) -> usize {
+        self.scheduler.info().n_ctx
+    }
+}
+
+/// The routes; everything but `/health` needs the API key when one is set.
+pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/models", get(routes::models))
+        .route("/v1/chat/completions", post(routes::chat))
+        .route("/v1/completions", post(routes::completions))
+        .route("/completion", post(routes::llama_completion))
+        .route("/tokenize", post(routes::tokenize))
+        .route("/detokenize", post(routes::detokenize))
+        .route("/props", get(routes::props))
+        .route("/metrics", get(routes::metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), routes::require_api_key))
+        .route("/health", get(routes::health))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+/// Serve until Ctrl-C or SIGTERM; requests in progress are answered first.
+pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
+    axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down: finishing the requests in progress");
+}

@@ -1,0 +1,536 @@
+//! The handlers: small functions over typed requests. A generation request is checked,
+//! turned into tokens and [`GenerateOptions`], submitted to the scheduler, and answered by a
+//! [`Reply`] in its endpoint's shape: one JSON body, or server-sent events.
+use super::errors::ApiError;
+use super::scheduler::{GenEvent, GenRequest, QueueFull};
+use super::types::*;
+use super::AppState;
+use crate::engine::{FinishReason, GenerateOptions, Generation};
+use crate::llama::{ChatMessage, LlamaError, Model, Token};
+use crate::sampling::SamplingParams;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request, State};
+use axum::http::{header, Uri};
+use axum::middleware::Next;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::{stream, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::convert::Infallible;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+type Shared = State<Arc<AppState>>;
+
+/// A JSON body, read whatever its Content-Type says (`curl -d` sends a form type), with
+/// OpenAI-style errors for a body that is too large, malformed or of the wrong shape.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let body = Bytes::from_request(req, state).await?;
+        Ok(Self(serde_json::from_slice(&body)?))
+    }
+}
+
+pub async fn require_api_key(State(s): Shared, req: Request, next: Next) -> Result<Response, ApiError> {
+    if let Some(key) = &s.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+            return Err(ApiError::Unauthorized);
+        }
+    }
+    Ok(next.run(req).await)
+}
+
+/// Compares in time independent of where the first difference is.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+pub async fn not_found(uri: Uri) -> ApiError {
+    ApiError::NotFound(uri.path().to_string())
+}
+
+pub async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+pub async fn models(State(s): Shared) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: s.model_id.clone(),
+            object: "model",
+            created: now(),
+            owned_by: "dflash2",
+            meta: ModelMeta { n_vocab: s.model.n_vocab(), n_ctx: s.n_ctx(), drafter: s.drafter_path.clone() },
+        }],
+    })
+}
+
+pub async fn props(State(s): Shared) -> Json<Props> {
+    let (d, p) = (&s.defaults, &s.defaults.sampling);
+    Json(Props {
+        default_generation_settings: GenerationSettings {
+            n_ctx: s.n_ctx(),
+            params: SamplingDefaults {
+                n_predict: -1,
+                temperature: p.temperature,
+                top_k: p.top_k,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                repeat_penalty: p.repeat_penalty,
+                repeat_last_n: p.repeat_last_n,
+                seed: p.seed,
+            },
+            speculative: Speculative {
+                select: d.select,
+                block: d.block,
+                adaptive: d.adaptive,
+                tree_budget: d.tree_budget,
+            },
+        },
+        total_slots: s.scheduler.slots(),
+        model_path: s.model.path().to_string(),
+        drafter_path: s.drafter_path.clone(),
+        chat_template: s.model.chat_template(),
+        build_info: format!("dflash2 {}", env!("CARGO_PKG_VERSION")),
+    })
+}
+
+pub async fn metrics(State(s): Shared) -> impl IntoResponse {
+    let text = s.metrics.render(s.scheduler.queued(), s.scheduler.slots());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+pub async fn tokenize(State(s): Shared, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Json<Tokens>, ApiError> {
+    let model = s.model.clone();
+    let tokens = blocking(move || {
+        let ids = model.tokenize(&req.content, req.add_special, req.parse_special)?;
+        Ok(ids
+            .into_iter()
+            .map(|id| match req.with_pieces {
+                false => TokenOut::Id(id),
+                true => TokenOut::WithPiece { id, piece: piece(model.token_bytes(id, true)) },
+            })
+            .collect())
+    })
+    .await?;
+    Ok(Json(Tokens { tokens }))
+}
+
+fn piece(bytes: Vec<u8>) -> Piece {
+    String::from_utf8(bytes).map_or_else(|e| Piece::Bytes(e.into_bytes()), Piece::Text)
+}
+
+pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeRequest>) -> Result<Json<Content>, ApiError> {
+    let ids = token_ids(&s.model, &req.tokens)?;
+    Ok(Json(Content { content: s.model.detokenize(&ids, true) }))
+}
+
+pub async fn chat(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
+    known_model(&s, req.model.as_deref())?;
+    one_choice(req.n)?;
+    let opts = options(&s, req.sampling, req.max_completion_tokens.or(req.max_tokens))?;
+    let messages = chat_messages(req.messages)?;
+    let model = s.model.clone();
+    let prompt = blocking(move || model.tokenize(&model.apply_chat_template(&messages, true)?, true, true)).await?;
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let reply = Reply::new(&s, "chatcmpl", Shape::Chat { include_usage });
+    generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
+}
+
+pub async fn completions(State(s): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
+    known_model(&s, req.model.as_deref())?;
+    one_choice(req.n)?;
+    let opts = options(&s, req.sampling, req.max_tokens)?;
+    let prompt = prompt_tokens(&s, req.prompt).await?;
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage });
+    generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
+}
+
+pub async fn llama_completion(
+    State(s): Shared,
+    ApiJson(req): ApiJson<LlamaCompletionRequest>,
+) -> Result<Response, ApiError> {
+    // -1 is llama-server's "no limit": up to the end of the context.
+    let opts = options(&s, req.sampling, req.n_predict.filter(|&n| n != -1))?;
+    let prompt = prompt_tokens(&s, req.prompt).await?;
+    let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone(), model: s.model.clone() };
+    generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), req.stream.unwrap_or(false)).await
+}
+
+/// Submit a checked request; answer with one body, or stream it. Dropping the receiver
+/// cancels the generation: with the stream, or with this future when a client goes away.
+async fn generate(
+    s: &AppState,
+    prompt: Vec<Token>,
+    opts: GenerateOptions,
+    reply: Reply,
+    stream: bool,
+) -> Result<Response, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::InvalidRequest("the prompt is empty".into()));
+    }
+    if prompt.len() >= s.n_ctx() {
+        return Err(ApiError::ContextExceeded { n_prompt: prompt.len(), n_ctx: s.n_ctx() });
+    }
+    let events = s.scheduler.submit(GenRequest { prompt, opts }).map_err(|QueueFull| {
+        s.metrics.rejected();
+        ApiError::Busy
+    })?;
+    if stream {
+        return Ok(reply.stream(events));
+    }
+    Ok(reply.whole(&collect(events).await?))
+}
+
+fn known_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != s.model_id => Err(ApiError::ModelNotFound(m.to_string())),
+        _ => Ok(()),
+    }
+}
+
+fn one_choice(n: Option<i64>) -> Result<(), ApiError> {
+    match n {
+        Some(n) if n != 1 => Err(ApiError::InvalidRequest(format!("`n` = {n}: only one choice per request is supported"))),
+        _ => Ok(()),
+    }
+}
+
+/// The request's generation options over the server's defaults, each value range-checked.
+/// `max_tokens` absent means: until the end of generation or of the context.
+fn options(s: &AppState, f: SamplingFields, max_tokens: Option<i64>) -> Result<GenerateOptions, ApiError> {
+    let n_ctx = s.n_ctx();
+    let d = &s.defaults.sampling;
+    let n_predict = match max_tokens {
+        None => n_ctx,
+        Some(n) if (1..=n_ctx as i64).contains(&n) => n as usize,
+        Some(n) => return Err(invalid(format!("`max_tokens` must be between 1 and {n_ctx} (the context), got {n}"))),
+    };
+    let unit = |name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32| match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && (lo..=hi).contains(&x) => Ok(x),
+        Some(x) => Err(invalid(format!("`{name}` must be between {lo} and {hi}, got {x}"))),
+    };
+    let sampling = SamplingParams {
+        temperature: unit("temperature", f.temperature, 0.0, 2.0, d.temperature)?,
+        top_k: f.top_k.unwrap_or(d.top_k),
+        top_p: unit("top_p", f.top_p, 0.0, 1.0, d.top_p)?,
+        min_p: unit("min_p", f.min_p, 0.0, 1.0, d.min_p)?,
+        repeat_penalty: unit("repeat_penalty", f.repeat_penalty, 0.01, 10.0, d.repeat_penalty)?,
+        repeat_last_n: match f.repeat_last_n {
+            None => d.repeat_last_n,
+            Some(-1) => n_ctx as i32, // llama.cpp's "the whole context"
+            Some(n) if n >= 0 => n,
+            Some(n) => return Err(invalid(format!("`repeat_last_n` must be -1 or more, got {n}"))),
+        },
+        seed: match f.seed {
+            None => d.seed,
+            Some(n) if n < 0 => rand::random(),
+            Some(n) => n as u64,
+        },
+    };
+    Ok(GenerateOptions {
+        n_predict,
+        select: s.defaults.select,
+        block: s.defaults.block,
+        adaptive: s.defaults.adaptive,
+        tree_budget: s.defaults.tree_budget,
+        stop: f.stop.map(Stop::into_vec).unwrap_or_default(),
+        sampling,
+        ..GenerateOptions::default()
+    })
+}
+
+fn invalid(msg: String) -> ApiError {
+    ApiError::InvalidRequest(msg)
+}
+
+fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(invalid("`messages` must hold at least one message".into()));
+    }
+    messages
+        .into_iter()
+        .map(|m| {
+            let content = match m.content {
+                None => String::new(),
+                Some(MessageContent::Text(t)) => t,
+                Some(MessageContent::Parts(parts)) => parts
+                    .into_iter()
+                    .map(|p| match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => Ok(t),
+                        (kind, _) => Err(invalid(format!("content parts of type `{kind}` are not supported: the model reads text"))),
+                    })
+                    .collect::<Result<String, _>>()?,
+            };
+            Ok(ChatMessage { role: m.role, content })
+        })
+        .collect()
+}
+
+async fn prompt_tokens(s: &AppState, prompt: Prompt) -> Result<Vec<Token>, ApiError> {
+    let text = match prompt {
+        Prompt::Tokens(ids) => return token_ids(&s.model, &ids),
+        Prompt::Text(t) => t,
+        Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
+        Prompt::Texts(v) => return Err(invalid(format!("{} prompts: send one prompt per request", v.len()))),
+    };
+    let model = s.model.clone();
+    blocking(move || model.tokenize(&text, true, true)).await
+}
+
+/// Token ids from a client, each checked against the vocabulary (llama.cpp does not check).
+fn token_ids(model: &Model, ids: &[i64]) -> Result<Vec<Token>, ApiError> {
+    let n_vocab = model.n_vocab();
+    ids.iter()
+        .map(|&id| match Token::try_from(id) {
+            Ok(t) if t >= 0 && (t as usize) < n_vocab => Ok(t),
+            _ => Err(invalid(format!("token id {id} is outside the vocabulary (0..{n_vocab})"))),
+        })
+        .collect()
+}
+
+/// Tokenizing and templating a long prompt is CPU work: keep it off the async workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, LlamaError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(|e| invalid(e.to_string()))
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Which endpoint's shapes a reply takes.
+enum Shape {
+    Chat { include_usage: bool },
+    Text { include_usage: bool },
+    Llama { return_tokens: bool, stops: Vec<String>, model: Arc<Model> },
+}
+
+/// How one generation is answered: its endpoint's shapes and the ids its pieces share.
+struct Reply {
+    shape: Shape,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Reply {
+    fn new(s: &AppState, prefix: &str, shape: Shape) -> Self {
+        Self { shape, id: format!("{prefix}-{:016x}", rand::random::<u64>()), created: now(), model: s.model_id.clone() }
+    }
+
+    fn whole(&self, g: &Generation) -> Response {
+        match &self.shape {
+            Shape::Chat { .. } => Json(self.chat(
+                "chat.completion",
+                ChatChoice {
+                    index: 0,
+                    message: Some(ChatMessageOut { role: Some("assistant"), content: Some(g.text.clone()) }),
+                    delta: None,
+                    finish_reason: Some(finish_reason(g.finish)),
+                    logprobs: None,
+                },
+                Some(g),
+            ))
+            .into_response(),
+            Shape::Text { .. } => Json(self.text(g.text.clone(), Some(g))).into_response(),
+            Shape::Llama { .. } => Json(self.llama_end(g.text.clone(), g)).into_response(),
+        }
+    }
+
+    /// Server-sent events: the pieces as they land, then the end (and `[DONE]` for OpenAI).
+    fn stream(self, events: mpsc::Receiver<GenEvent>) -> Response {
+        let head = match &self.shape {
+            Shape::Chat { .. } => vec![event(&self.chat_delta(Some("assistant"), Some(String::new()), None, None))],
+            _ => Vec::new(),
+        };
+        let body = stream::unfold((events, Some(self)), |(mut events, reply)| async move {
+            let reply = reply?; // gone after the last event
+            let (out, reply) = match events.recv().await {
+                Some(GenEvent::Tokens { tokens, text }) => (reply.piece(tokens, text).into_iter().collect(), Some(reply)),
+                Some(GenEvent::Done(g)) => (reply.tail(&g), None),
+                Some(GenEvent::Error(e)) => (reply.failure(ApiError::Internal(e)), None),
+                None => (reply.failure(ApiError::Internal("the generation ended without a result".into())), None),
+            };
+            Some((stream::iter(out), (events, reply)))
+        })
+        .flatten();
+        let events = stream::iter(head).chain(body).map(Ok::<_, Infallible>);
+        Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+    }
+
+    fn piece(&self, tokens: Vec<Token>, text: String) -> Option<Event> {
+        match &self.shape {
+            Shape::Chat { .. } if !text.is_empty() => Some(event(&self.chat_delta(None, Some(text), None, None))),
+            Shape::Text { .. } if !text.is_empty() => Some(event(&self.text_piece(text, None, None, None))),
+            Shape::Llama { return_tokens, .. } if !text.is_empty() || (*return_tokens && !tokens.is_empty()) => {
+                let tokens = if *return_tokens { tokens } else { Vec::new() };
+                Some(event(&LlamaCompletion { content: text, tokens, stop: false, end: None }))
+            }
+            _ => None,
+        }
+    }
+
+    fn tail(&self, g: &Generation) -> Vec<Event> {
+        let reason = Some(finish_reason(g.finish));
+        let timings = Some(Timings::from(&g.stats));
+        match &self.shape {
+            Shape::Chat { include_usage } => {
+                let mut out = vec![event(&self.chat_delta(None, None, reason, timings))];
+                if *include_usage {
+                    let usage = Some(Usage::from(g));
+                    out.push(event(&ChatCompletion { choices: Vec::new(), usage, ..self.chat_delta(None, None, None, None) }));
+                }
+                out.push(done());
+                out
+            }
+            Shape::Text { include_usage } => {
+                let mut out = vec![event(&self.text_piece(String::new(), reason, None, timings))];
+                if *include_usage {
+                    out.push(event(&TextCompletion {
+                        choices: Vec::new(),
+                        ..self.text_piece(String::new(), None, Some(Usage::from(g)), None)
+                    }));
+                }
+                out.push(done());
+                out
+            }
+            Shape::Llama { .. } => vec![event(&self.llama_end(String::new(), g))],
+        }
+    }
+
+    fn failure(&self, e: ApiError) -> Vec<Event> {
+        let error = event(&e.body());
+        match self.shape {
+            Shape::Llama { .. } => vec![error],
+            _ => vec![error, done()],
+        }
+    }
+
+    fn chat(&self, object: &'static str, choice: ChatChoice, g: Option<&Generation>) -> ChatCompletion {
+        ChatCompletion {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            choices: vec![choice],
+            usage: g.map(Usage::from),
+            timings: g.map(|g| Timings::from(&g.stats)),
+        }
+    }
+
+    fn chat_delta(
+        &self,
+        role: Option<&'static str>,
+        content: Option<String>,
+        finish: Option<&'static str>,
+        timings: Option<Timings>,
+    ) -> ChatCompletion {
+        let delta = ChatMessageOut { role, content };
+        let choice = ChatChoice { index: 0, message: None, delta: Some(delta), finish_reason: finish, logprobs: None };
+        ChatCompletion { timings, ..self.chat("chat.completion.chunk", choice, None) }
+    }
+
+    fn text(&self, text: String, g: Option<&Generation>) -> TextCompletion {
+        TextCompletion {
+            usage: g.map(Usage::from),
+            timings: g.map(|g| Timings::from(&g.stats)),
+            ..self.text_piece(text, g.map(|g| finish_reason(g.finish)), None, None)
+        }
+    }
+
+    fn text_piece(
+        &self,
+        text: String,
+        finish: Option<&'static str>,
+        usage: Option<Usage>,
+        timings: Option<Timings>,
+    ) -> TextCompletion {
+        TextCompletion {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices: vec![TextChoice { index: 0, text, logprobs: None, finish_reason: finish }],
+            usage,
+            timings,
+        }
+    }
+
+    fn llama_end(&self, content: String, g: &Generation) -> LlamaCompletion {
+        let Shape::Llama { return_tokens, stops, model } = &self.shape else {
+            unreachable!("llama_end is only called for /completion")
+        };
+        let s = &g.stats;
+        LlamaCompletion {
+            content,
+            tokens: if *return_tokens { g.tokens.clone() } else { Vec::new() },
+            stop: true,
+            end: Some(LlamaEnd {
+                model: self.model.clone(),
+                tokens_predicted: g.tokens.len(),
+                tokens_evaluated: s.n_prompt,
+                tokens_cached: s.n_prompt - s.n_prompt_decoded,
+                stop_type: stop_type(g.finish),
+                stopping_word: stopping_word(model, g, stops),
+                timings: Timings::from(s),
+            }),
+        }
+    }
+}
+
+/// The stop string that ended `g`: the engine cuts the text where it begins.
+fn stopping_word(model: &Model, g: &Generation, stops: &[String]) -> String {
+    if g.finish != FinishReason::Stop {
+        return String::new();
+    }
+    let all = model.detokenize(&g.tokens, false);
+    let rest = all.get(g.text.len()..).unwrap_or_default();
+    stops
+        .iter()
+        .filter(|s| !s.is_empty() && rest.starts_with(s.as_str()))
+        .min_by_key(|s| s.len()) // at one start, the shortest completes first
+        .cloned()
+        .unwrap_or_default()
+}
+
+async fn collect(mut events: mpsc::Receiver<GenEvent>) -> Result<Generation, ApiError> {
+    while let Some(e) = events.recv().await {
+        match e {
+            GenEvent::Tokens { .. } => {}
+            GenEvent::Done(g) => return Ok(g),
+            GenEvent::Error(e) => return Err(ApiError::Internal(e)),
+        }
+    }
+    Err(ApiError::Internal("the generation ended without a result".into()))
+}
+
+fn event(v: &impl Serialize) -> Event {
+    Event::default().data(serde_json::to_string(v).expect("response shapes serialize"))
+}
+
+fn done() -> Event {
+    Event::default().data("[DONE]")
+}

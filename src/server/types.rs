@@ -1,0 +1,371 @@
+//! Request and response shapes: OpenAI's (`/v1/...`) and llama-server's (`/completion`,
+//! `/tokenize`, `/detokenize`, `/props`). Unknown request fields are ignored, as both do.
+use crate::engine::{FinishReason, Generation, Stats};
+use crate::llama::Token;
+use serde::{Deserialize, Serialize};
+
+// ---- requests ----
+
+/// Sampling fields every generation endpoint takes (llama.cpp's names; OpenAI's are a subset).
+#[derive(Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    pub temperature: Option<f32>,
+    pub top_k: Option<i32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i32>,
+    /// Negative: a random seed (llama.cpp's -1).
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessageIn>,
+    pub max_tokens: Option<i64>,
+    /// OpenAI's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<i64>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: String,
+    /// `null` for an assistant turn that only called tools.
+    pub content: Option<MessageContent>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// A prompt as text, as token ids, or as a list holding one text.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<i64>),
+    Texts(Vec<String>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub max_tokens: Option<i64>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// llama-server's `POST /completion`.
+#[derive(Debug, Deserialize)]
+pub struct LlamaCompletionRequest {
+    pub prompt: Prompt,
+    /// -1: until the end of generation or of the context.
+    pub n_predict: Option<i64>,
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub return_tokens: bool,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    pub content: String,
+    #[serde(default)]
+    pub add_special: bool,
+    #[serde(default = "yes")]
+    pub parse_special: bool,
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<i64>,
+}
+
+// ---- responses ----
+
+/// llama-server's `timings`, with the speculative counters.
+#[derive(Debug, Serialize)]
+pub struct Timings {
+    pub prompt_n: usize,
+    pub prompt_ms: f64,
+    pub prompt_per_token_ms: f64,
+    pub prompt_per_second: f64,
+    pub predicted_n: usize,
+    pub predicted_ms: f64,
+    pub predicted_per_token_ms: f64,
+    pub predicted_per_second: f64,
+    pub draft_n: usize,
+    pub draft_n_accepted: usize,
+    /// Mean tokens committed per target verify.
+    pub tau: f64,
+    pub cycles: usize,
+}
+
+impl From<&Stats> for Timings {
+    fn from(s: &Stats) -> Self {
+        let per = |ms: f64, n: usize| if n == 0 { 0.0 } else { ms / n as f64 };
+        let rate = |ms: f64, n: usize| if ms <= 0.0 { 0.0 } else { n as f64 * 1e3 / ms };
+        let predicted_ms = (s.total_ms - s.prefill_ms).max(0.0);
+        Self {
+            prompt_n: s.n_prompt_decoded,
+            prompt_ms: s.prefill_ms,
+            prompt_per_token_ms: per(s.prefill_ms, s.n_prompt_decoded),
+            prompt_per_second: rate(s.prefill_ms, s.n_prompt_decoded),
+            predicted_n: s.n_generated,
+            predicted_ms,
+            predicted_per_token_ms: per(predicted_ms, s.n_generated),
+            predicted_per_second: s.tokens_per_second(),
+            draft_n: s.n_drafted,
+            draft_n_accepted: s.n_draft_accepted,
+            tau: s.tau(),
+            cycles: s.cycles,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl From<&Generation> for Usage {
+    fn from(g: &Generation) -> Self {
+        let (p, c) = (g.stats.n_prompt, g.tokens.len());
+        Self { prompt_tokens: p, completion_tokens: c, total_tokens: p + c }
+    }
+}
+
+/// OpenAI's `finish_reason`.
+pub fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length | FinishReason::Context => "length",
+        FinishReason::Eog | FinishReason::Stop | FinishReason::Cancelled => "stop",
+    }
+}
+
+/// llama-server's `stop_type`.
+pub fn stop_type(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Eog => "eos",
+        FinishReason::Stop => "word",
+        FinishReason::Length | FinishReason::Context => "limit",
+        FinishReason::Cancelled => "none",
+    }
+}
+
+/// `chat.completion` and `chat.completion.chunk`.
+#[derive(Debug, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: u32,
+    /// The whole answer (`chat.completion`)...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<ChatMessageOut>,
+    /// ...or a piece of it (`chat.completion.chunk`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ChatMessageOut>,
+    pub finish_reason: Option<&'static str>,
+    pub logprobs: Option<()>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct ChatMessageOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// `text_completion`, whole or streamed.
+#[derive(Debug, Serialize)]
+pub struct TextCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<TextChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TextChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// llama-server's `/completion` answer; a streamed piece carries only the first three fields.
+#[derive(Debug, Serialize)]
+pub struct LlamaCompletion {
+    pub content: String,
+    pub tokens: Vec<Token>,
+    pub stop: bool,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub end: Option<LlamaEnd>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LlamaEnd {
+    pub model: String,
+    pub tokens_predicted: usize,
+    pub tokens_evaluated: usize,
+    pub tokens_cached: usize,
+    pub stop_type: &'static str,
+    pub stopping_word: String,
+    pub timings: Timings,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub meta: ModelMeta,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelMeta {
+    pub n_vocab: usize,
+    pub n_ctx: usize,
+    pub drafter: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Tokens {
+    pub tokens: Vec<TokenOut>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum TokenOut {
+    Id(Token),
+    WithPiece { id: Token, piece: Piece },
+}
+
+/// A token's text, or its bytes when they are not UTF-8 on their own.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Piece {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+#[derive(Debug, Serialize)]
+pub struct Content {
+    pub content: String,
+}
+
+/// `GET /props`.
+#[derive(Debug, Serialize)]
+pub struct Props {
+    pub default_generation_settings: GenerationSettings,
+    pub total_slots: usize,
+    pub model_path: String,
+    pub drafter_path: Option<String>,
+    pub chat_template: Option<String>,
+    pub build_info: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct GenerationSettings {
+    pub n_ctx: usize,
+    pub params: SamplingDefaults,
+    pub speculative: Speculative,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SamplingDefaults {
+    pub n_predict: i64,
+    pub temperature: f32,
+    pub top_k: i32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: i32,
+    pub seed: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Speculative {
+    pub select: crate::engine::SelectMode,
+    pub block: usize,
+    /// Draft lengths chosen per cycle from measured costs (`--block auto`).
+    pub adaptive: bool,
+    pub tree_budget: usize,
+}

@@ -1,0 +1,139 @@
+//! Lossless at temperature > 0: speculative sampling draws from the target's own
+//! distribution. The first generated tokens of thousands of seeded runs are compared
+//! between plain and speculative decoding with a two-sample chi-square test, and the
+//! same test must reject a deliberately broken verifier.
+mod common;
+
+use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
+use dflash2::llama::{Model, ModelParams, Token};
+use dflash2::sampling::SamplingParams;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+const RUNS: u64 = 2000;
+const N_TOKENS: usize = 4;
+
+struct Fixture {
+    target: Arc<Model>,
+    drafter: Arc<Model>,
+    prompt: Vec<Token>,
+}
+
+fn fixture() -> Fixture {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = common::scratch_dir("sampling-synth");
+        dflash2::gguf::synth::synth_all(&dir, 11).unwrap();
+        dir
+    });
+    let target = Arc::new(Model::load(&dir.join("target.gguf"), &ModelParams::default()).unwrap());
+    let drafter = Arc::new(Model::load(&dir.join("drafter-dflash2.gguf"), &ModelParams::default()).unwrap());
+    let prompt = target.tokenize("The old lighthouse keeper", true, false).unwrap();
+    Fixture { target, drafter, prompt }
+}
+
+/// Tokens at positions 1..=N_TOKENS over `runs` seeds; a run that ended (end of
+/// generation sampled) reads -1 at the positions it did not reach.
+fn sample_runs(f: &Fixture, runs: u64, speculative: bool, select: SelectMode, temp: f32, verifier: Verifier) -> Vec<Vec<Token>> {
+    let mut cfg = EngineConfig::new(PathBuf::new(), None);
+    cfg.n_ctx = 256;
+    cfg.n_threads = 2;
+    let drafter = speculative.then(|| f.drafter.clone());
+    let mut e = Engine::from_models(f.target.clone(), drafter, &cfg).unwrap();
+    (0..runs)
+        .map(|seed| {
+            let opts = GenerateOptions {
+                n_predict: N_TOKENS,
+                select: if speculative { select } else { SelectMode::None },
+                block: 4,
+                tree_budget: 6,
+                sampling: SamplingParams { temperature: temp, top_k: 0, top_p: 0.9, min_p: 0.0, seed, ..Default::default() },
+                verifier,
+                ..Default::default()
+            };
+            let mut tokens = e.generate(&f.prompt, &opts, |_| true).unwrap().tokens;
+            tokens.resize(N_TOKENS, -1);
+            tokens
+        })
+        .collect()
+}
+
+/// Two-sample chi-square statistic and degrees of freedom for the token at position
+/// `k`, merging categories whose pooled count is under 10.
+fn chi_square(a: &[Vec<Token>], b: &[Vec<Token>], k: usize) -> (f64, usize) {
+    let mut counts: HashMap<Token, (f64, f64)> = HashMap::new();
+    for r in a {
+        counts.entry(r[k]).or_default().0 += 1.0;
+    }
+    for r in b {
+        counts.entry(r[k]).or_default().1 += 1.0;
+    }
+    let mut bins: Vec<(f64, f64)> = Vec::new();
+    let mut other = (0.0, 0.0);
+    for (_, (x, y)) in counts {
+        if x + y < 10.0 {
+            other.0 += x;
+            other.1 += y;
+        } else {
+            bins.push((x, y));
+        }
+    }
+    if other.0 + other.1 > 0.0 {
+        bins.push(other);
+    }
+    let (na, nb) = (a.len() as f64, b.len() as f64);
+    let mut chi2 = 0.0;
+    for (x, y) in &bins {
+        let pooled = (x + y) / (na + nb);
+        let (ea, eb) = (pooled * na, pooled * nb);
+        chi2 += (x - ea).powi(2) / ea + (y - eb).powi(2) / eb;
+    }
+    (chi2, bins.len().saturating_sub(1))
+}
+
+/// Accept when the statistic is below dof + 6 standard deviations of a chi-square with
+/// that many degrees of freedom (a false alarm is far less likely than 1e-6; the seeds
+/// are fixed, so the outcome is reproducible).
+fn same_distribution(a: &[Vec<Token>], b: &[Vec<Token>]) -> Result<(), String> {
+    for k in 0..N_TOKENS {
+        let (chi2, dof) = chi_square(a, b, k);
+        let limit = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
+        if chi2 > limit {
+            return Err(format!("position {k}: chi2 {chi2:.1} > {limit:.1} (dof {dof})"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn speculative_sampling_matches_plain_sampling() {
+    let f = fixture();
+    for temp in [0.7f32, 1.0] {
+        let plain = sample_runs(&f, RUNS, false, SelectMode::None, temp, Verifier::Rejection);
+        let distinct: std::collections::HashSet<_> = plain.iter().map(|r| r[1]).collect();
+        assert!(distinct.len() >= 5, "T={temp}: the target is nearly deterministic, the test would be weak");
+        for select in [SelectMode::Greedy, SelectMode::BestPath, SelectMode::Tree] {
+            let spec = sample_runs(&f, RUNS, true, select, temp, Verifier::Rejection);
+            if let Err(e) = same_distribution(&plain, &spec) {
+                panic!("T={temp}, {select:?}: speculative sampling differs from plain sampling: {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_verifier_that_accepts_every_draft_fails_the_test() {
+    let f = fixture();
+    let plain = sample_runs(&f, RUNS, false, SelectMode::None, 1.0, Verifier::Rejection);
+    let broken = sample_runs(&f, RUNS, true, SelectMode::Greedy, 1.0, Verifier::AcceptAll);
+    assert!(same_distribution(&plain, &broken).is_err(), "the test cannot tell a broken verifier apart");
+}
+
+#[test]
+fn the_same_seed_gives_the_same_output() {
+    let f = fixture();
+    let a = sample_runs(&f, 200, true, SelectMode::Greedy, 0.8, Verifier::Rejection);
+    let b = sample_runs(&f, 200, true, SelectMode::Greedy, 0.8, Verifier::Rejection);
+    assert_eq!(a, b);
+}

@@ -1,0 +1,531 @@
+//! `dflash2 serve` as clients use it: the real binary on a loopback port with the synthetic
+//! models, driven by the official `openai` Python package and by curl.
+//!
+//! Losslessness under load is checked against a second server started without a drafter
+//! (plain decoding, what `--select none` does): every response of the speculative server,
+//! streamed to 8 concurrent clients, must equal the same request run alone on the plain one.
+mod common;
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "target.gguf";
+
+fn models() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = common::scratch_dir("server-synth");
+        dflash2::gguf::synth::synth_all(&dir, 5).expect("synthetic models");
+        dir
+    })
+}
+
+fn model(name: &str) -> String {
+    models().join(name).to_str().unwrap().to_string()
+}
+
+/// A `dflash2 serve` child on a free loopback port, killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    fn start(name: &str, extra: &[&str]) -> Server {
+        let log = common::scratch_dir("server-logs").join(format!("{name}.log"));
+        let target = model("target.gguf");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dflash2"))
+            .args(["serve", "-m", &target, "--host", "127.0.0.1", "--port", "0", "-t", "1"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start dflash2 serve");
+        // The server prints its address once it listens (it chose the port: --port 0).
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(Duration::from_secs(120)).unwrap_or_default();
+        let Some(addr) = line.trim().strip_prefix("dflash2 listening on ") else {
+            let _ = child.kill();
+            panic!("{name} did not start: {line:?}; log: {}", std::fs::read_to_string(&log).unwrap_or_default());
+        };
+        let server = Server { child, base: addr.to_string() };
+        assert!(addr.starts_with("http://127.0.0.1:"), "{addr}");
+        server.wait_healthy();
+        server
+    }
+
+    fn wait_healthy(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if self.get("/health").0 == 200 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{} never became healthy", self.base);
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        curl(&[&format!("{}{path}", self.base)])
+    }
+
+    fn post(&self, path: &str, body: &str) -> (u16, Value) {
+        let (code, text) = curl(&["-X", "POST", "-d", body, &format!("{}{path}", self.base)]);
+        (code, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
+    }
+
+    fn post_ok(&self, path: &str, body: Value) -> Value {
+        let (code, v) = self.post(path, &body.to_string());
+        assert_eq!(code, 200, "{path} {body}: {v}");
+        v
+    }
+
+    /// Server-sent events of a streamed POST: the `data:` payloads, in order.
+    fn post_sse(&self, path: &str, body: Value) -> Vec<String> {
+        let (code, text) = curl(&["-N", "-X", "POST", "-d", &body.to_string(), &format!("{}{path}", self.base)]);
+        assert_eq!(code, 200, "{text}");
+        text.split("\n\n")
+            .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (code, text) = self.get("/metrics");
+        assert_eq!(code, 200, "{text}");
+        let prefix = format!("dflash2_{name} ");
+        let line = text.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no {name} in {text}"));
+        line[prefix.len()..].parse().unwrap()
+    }
+
+    /// Wait (bounded) until the slots are idle and nothing waits: no request leaked a slot.
+    fn wait_idle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if self.metric("requests_in_flight") == 0.0 && self.metric("requests_queued") == 0.0 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("slots still busy: {}", self.get("/metrics").1);
+    }
+
+    fn assert_healthy(&self, after: &str) {
+        assert_eq!(self.get("/health"), (200, r#"{"status":"ok"}"#.to_string()), "after {after}");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// curl, bounded in time and never through a proxy; returns (status, body).
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--noproxy", "*", "--max-time", "120", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl is installed");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// Run a command to its end within `limit` (killed and failed past it); returns stdout.
+fn run_bounded(cmd: &mut Command, limit: Duration, what: &str) -> String {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} ran past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    assert!(status.success(), "{what} failed ({status}): {err}\n{out}");
+    out
+}
+
+/// A virtualenv under target/ with the `openai` package; a test that needs it fails
+/// (never skips) when it cannot be made.
+fn python() -> &'static Path {
+    static PY: OnceLock<PathBuf> = OnceLock::new();
+    PY.get_or_init(|| {
+        let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+        let py = venv.join("bin/python");
+        let ready = Command::new(&py).args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+        if !ready {
+            let minutes = Duration::from_secs(300);
+            run_bounded(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv), minutes, "python3 -m venv");
+            run_bounded(
+                Command::new(&py).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "openai"]),
+                minutes,
+                "pip install openai",
+            );
+        }
+        py
+    })
+}
+
+/// One scenario of tests/server_openai.py; its JSON result.
+fn openai_scenario(args: &[&str]) -> Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/server_openai.py");
+    let mut cmd = Command::new(python());
+    cmd.arg(script).args(args);
+    for var in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"] {
+        cmd.env_remove(var);
+    }
+    cmd.env("NO_PROXY", "127.0.0.1,localhost").env_remove("OPENAI_BASE_URL").env_remove("OPENAI_API_KEY");
+    let out = run_bounded(&mut cmd, Duration::from_secs(600), &format!("server_openai.py {}", args[0]));
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("scenario output is not JSON ({e}): {out}"))
+}
+
+fn drafter() -> String {
+    model("drafter-dflash2.gguf")
+}
+
+#[test]
+fn the_openai_client_gets_chat_completions_and_streams() {
+    let d = drafter();
+    let server = Server::start("openai", &["-d", &d, "--parallel", "2", "--block", "4"]);
+    let r = openai_scenario(&["basic", &server.base, MODEL]);
+
+    assert_eq!(r["models"], json!([MODEL]));
+    for (whole, streamed) in [("chat", "chat_stream"), ("completion", "completion_stream"), ("stopped", "stopped_stream")]
+    {
+        let (w, s) = (&r[whole], &r[streamed]);
+        assert_eq!(w["text"], s["text"], "{whole}: streamed text differs");
+        assert_eq!(w["finish"], s["finish"], "{whole}");
+        assert_eq!(w["usage"], s["usage"], "{whole}: usage differs");
+        let usage = &w["usage"];
+        let total = usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap();
+        assert_eq!(usage["total_tokens"].as_u64().unwrap(), total);
+        assert!(s["chunks"].as_u64().unwrap() >= 2, "{streamed} came in one piece: {s}");
+        let t = &w["timings"];
+        for key in ["prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second", "draft_n", "draft_n_accepted"]
+        {
+            assert!(t[key].is_number(), "{whole}: no timings.{key} in {t}");
+        }
+        assert_eq!(t["predicted_n"], usage["completion_tokens"]);
+    }
+    assert_eq!(r["chat"]["object"], "chat.completion");
+    assert_eq!(r["chat"]["role"], "assistant");
+    assert_eq!(r["completion"]["object"], "text_completion");
+    assert_eq!(r["chat"]["usage"]["completion_tokens"], 24);
+    assert_eq!(r["chat"]["finish"], "length");
+    // Speculation ran: the fixed block drafts every cycle.
+    assert!(r["completion"]["timings"]["draft_n"].as_u64().unwrap() > 0);
+    // The stop string ends the text just before its first occurrence, streamed or not.
+    let (full, stop) = (r["completion"]["text"].as_str().unwrap(), r["stop"].as_str().unwrap());
+    assert!(!stop.is_empty());
+    assert_eq!(r["stopped"]["text"].as_str().unwrap(), &full[..full.find(stop).unwrap()]);
+    assert_eq!(r["stopped"]["finish"], "stop");
+    assert_eq!(r["unknown_model"], json!({ "status": 404, "code": "model_not_found" }));
+    server.wait_idle();
+}
+
+#[test]
+fn concurrent_streams_are_lossless_and_leave_no_slot_busy() {
+    let d = drafter();
+    // Four slots, eight clients: half the requests wait in the queue at first.
+    let spec = Server::start("load-spec", &["-d", &d, "--parallel", "4", "--queue", "16", "--block", "4"]);
+    let plain = Server::start("load-plain", &["--parallel", "1"]);
+    let requests: Vec<Value> = (0..40)
+        .map(|i| {
+            json!({
+                "kind": if i % 2 == 0 { "completion" } else { "chat" },
+                "prompt": common::PROMPTS[i % common::PROMPTS.len()],
+                "max_tokens": 16 + (i * 7) % 48,
+                "stop": if i % 5 == 4 { json!(["e "]) } else { Value::Null },
+            })
+        })
+        .collect();
+    let path = common::scratch_dir("server-load").join("requests.json");
+    std::fs::write(&path, serde_json::to_string(&requests).unwrap()).unwrap();
+
+    let r = openai_scenario(&["load", &spec.base, &plain.base, MODEL, path.to_str().unwrap(), "8"]);
+    let (got, want) = (r["spec"].as_array().unwrap(), r["plain"].as_array().unwrap());
+    assert_eq!(got.len(), 40);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.get("error").is_none() && w.get("error").is_none(), "request {i}: {g} / {w}");
+        assert_eq!(g["text"], w["text"], "request {i} ({}) differs from plain decoding", requests[i]);
+        assert_eq!(g["finish"], w["finish"], "request {i}");
+        assert_eq!(g["usage"], w["usage"], "request {i}");
+    }
+    assert!(r["peak"]["in_flight"].as_f64().unwrap() >= 2.0, "no two requests ran at once: {}", r["peak"]);
+
+    // Token for token too, through llama-server's endpoint.
+    for prompt in &common::PROMPTS[..4] {
+        let body = json!({ "prompt": prompt, "n_predict": 40, "return_tokens": true, "temperature": 0 });
+        let (a, b) = (spec.post_ok("/completion", body.clone()), plain.post_ok("/completion", body));
+        assert_eq!(a["tokens"], b["tokens"], "{prompt}");
+        assert!(!a["tokens"].as_array().unwrap().is_empty());
+    }
+
+    spec.wait_idle();
+    assert_eq!(spec.metric("requests_failed_total"), 0.0);
+    assert_eq!(spec.metric("requests_finished_total"), 44.0);
+    assert!(spec.metric("draft_tokens_total") > 0.0, "the speculative server never drafted");
+    assert!(spec.metric("tau") >= 1.0);
+}
+
+#[test]
+fn llama_server_endpoints_answer_in_its_shapes() {
+    let d = drafter();
+    let server = Server::start("llama", &["-d", &d, "--block", "4"]);
+
+    let whole = server.post_ok("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "return_tokens": true }));
+    assert_eq!(whole["stop"], true);
+    assert_eq!(whole["stop_type"], "limit");
+    assert_eq!(whole["tokens_predicted"], 24);
+    assert_eq!(whole["tokens"].as_array().unwrap().len(), 24);
+    for key in ["prompt_n", "prompt_ms", "predicted_n", "predicted_per_second", "draft_n", "draft_n_accepted"] {
+        assert!(whole["timings"][key].is_number(), "no timings.{key}: {whole}");
+    }
+    assert!(whole["timings"]["draft_n"].as_u64().unwrap() > 0);
+
+    // Streamed: the pieces add up to the same content; the last event ends it, no [DONE].
+    let events = server.post_sse("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "stream": true }));
+    let parsed: Vec<Value> = events.iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let content: String = parsed.iter().map(|e| e["content"].as_str().unwrap()).collect();
+    assert_eq!(content, whole["content"].as_str().unwrap());
+    let last = parsed.last().unwrap();
+    assert_eq!(last["stop"], true);
+    assert!(last["timings"]["predicted_n"].is_number());
+    assert!(parsed[..parsed.len() - 1].iter().all(|e| e["stop"] == false));
+
+    // A stop word: named in the answer, cut from the content.
+    let text = whole["content"].as_str().unwrap();
+    let stop = &text[8..11];
+    let stopped = server.post_ok("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "stop": [stop] }));
+    assert_eq!(stopped["stop_type"], "word");
+    assert_eq!(stopped["stopping_word"], stop);
+    assert_eq!(stopped["content"].as_str().unwrap(), &text[..text.find(stop).unwrap()]);
+
+    // Tokenize and detokenize round-trip; pieces name each token's text.
+    let toks = server.post_ok("/tokenize", json!({ "content": "The quick brown fox", "add_special": true }));
+    let ids = toks["tokens"].clone();
+    assert!(ids.as_array().unwrap().iter().all(Value::is_i64));
+    let back = server.post_ok("/detokenize", json!({ "tokens": ids }));
+    assert!(back["content"].as_str().unwrap().ends_with("The quick brown fox"), "{back}");
+    let pieces = server.post_ok("/tokenize", json!({ "content": "The quick", "with_pieces": true }));
+    let joined: String = pieces["tokens"].as_array().unwrap().iter().map(|t| t["piece"].as_str().unwrap()).collect();
+    assert_eq!(joined, "The quick");
+
+    // Token ids as the prompt give the same answer as the text they spell.
+    let by_ids = server.post_ok("/completion", json!({ "prompt": ids, "n_predict": 8 }));
+    let by_text = server.post_ok("/completion", json!({ "prompt": "The quick brown fox", "n_predict": 8 }));
+    assert_eq!(by_ids["content"], by_text["content"]);
+
+    let (code, props) = server.get("/props");
+    assert_eq!(code, 200);
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert_eq!(props["total_slots"], 1);
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 4096);
+    assert_eq!(props["default_generation_settings"]["speculative"]["block"], 4);
+    assert!(props["chat_template"].as_str().unwrap().contains("<|im_start|>"));
+    assert!(props["drafter_path"].as_str().unwrap().ends_with("drafter-dflash2.gguf"));
+
+    let (code, metrics) = server.get("/metrics");
+    assert_eq!(code, 200);
+    for name in [
+        "requests_finished_total",
+        "tokens_predicted_total",
+        "draft_tokens_total",
+        "draft_tokens_accepted_total",
+        "tau",
+        "draft_acceptance_ratio",
+        "predicted_tokens_seconds",
+        "requests_queued",
+        "requests_in_flight",
+    ] {
+        assert!(metrics.contains(&format!("# TYPE dflash2_{name} ")), "no {name} in {metrics}");
+    }
+    assert_eq!(server.metric("requests_finished_total"), 5.0);
+    let n_stopped = stopped["tokens_predicted"].as_f64().unwrap();
+    assert_eq!(server.metric("tokens_predicted_total"), 24.0 + 24.0 + n_stopped + 8.0 + 8.0);
+}
+
+#[test]
+fn curl_streams_openai_events_ending_with_done() {
+    let server = Server::start("curl-sse", &[]);
+    let body = json!({ "model": MODEL, "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": 6, "stream": true });
+    let events = server.post_sse("/v1/chat/completions", body);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert!(last["timings"]["draft_n"].is_number());
+
+    let events = server.post_sse("/v1/completions", json!({ "prompt": "Hi", "max_tokens": 6, "stream": true }));
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["object"], "text_completion");
+}
+
+/// Each bad request gets an OpenAI-style error with the right status, and the server goes on.
+#[test]
+fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
+    let server = Server::start("bad-input", &["--ctx-size", "256", "--max-body", "65536"]);
+    let user = |extra: Value| {
+        let mut body = json!({ "model": MODEL, "messages": [{ "role": "user", "content": "hello" }] });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body.to_string()
+    };
+    let long_prompt = "word ".repeat(600);
+    let cases: Vec<(&str, &str, String, u16, &str)> = vec![
+        ("malformed JSON", "/v1/chat/completions", "{\"messages\": [".into(), 400, "invalid_request"),
+        ("not an object", "/v1/chat/completions", "[1, 2]".into(), 400, "invalid_request"),
+        ("messages of the wrong type", "/v1/chat/completions", r#"{"messages": "hello"}"#.into(), 400, "invalid_request"),
+        ("temperature of the wrong type", "/v1/chat/completions", user(json!({ "temperature": "hot" })), 400, "invalid_request"),
+        ("no messages field", "/v1/chat/completions", r#"{"model": "target.gguf"}"#.into(), 400, "invalid_request"),
+        ("empty messages", "/v1/chat/completions", r#"{"messages": []}"#.into(), 400, "invalid_request"),
+        ("unknown model", "/v1/chat/completions", user(json!({ "model": "gpt-4" })), 404, "model_not_found"),
+        ("unknown model (completions)", "/v1/completions", r#"{"model": "x", "prompt": "hi"}"#.into(), 404, "model_not_found"),
+        ("max_tokens 0", "/v1/chat/completions", user(json!({ "max_tokens": 0 })), 400, "invalid_request"),
+        ("max_tokens negative", "/v1/completions", r#"{"prompt": "hi", "max_tokens": -5}"#.into(), 400, "invalid_request"),
+        ("max_tokens over the context", "/v1/chat/completions", user(json!({ "max_tokens": 100000 })), 400, "invalid_request"),
+        ("n_predict 0", "/completion", r#"{"prompt": "hi", "n_predict": 0}"#.into(), 400, "invalid_request"),
+        ("temperature out of range", "/v1/chat/completions", user(json!({ "temperature": 7.5 })), 400, "invalid_request"),
+        ("top_p out of range", "/v1/completions", r#"{"prompt": "hi", "top_p": 1.5}"#.into(), 400, "invalid_request"),
+        ("several choices", "/v1/chat/completions", user(json!({ "n": 3 })), 400, "invalid_request"),
+        ("image content", "/v1/chat/completions", user(json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] })), 400, "invalid_request"),
+        ("empty token prompt", "/v1/completions", r#"{"prompt": []}"#.into(), 400, "invalid_request"),
+        ("several prompts", "/v1/completions", r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request"),
+        ("token id outside the vocabulary", "/completion", r#"{"prompt": [1, 2, 999999]}"#.into(), 400, "invalid_request"),
+        ("negative token id", "/detokenize", r#"{"tokens": [-3]}"#.into(), 400, "invalid_request"),
+        ("prompt over the context", "/v1/completions", json!({ "prompt": long_prompt }).to_string(), 400, "context_length_exceeded"),
+        ("chat over the context", "/v1/chat/completions", user(json!({ "messages": [{ "role": "user", "content": long_prompt }] })), 400, "context_length_exceeded"),
+        ("tokenize without content", "/tokenize", "{}".into(), 400, "invalid_request"),
+        ("unknown endpoint", "/v1/embeddings", "{}".into(), 404, "not_found"),
+    ];
+    for (what, path, body, status, code) in &cases {
+        let (got, v) = server.post(path, body);
+        assert_eq!(got, *status, "{what}: {v}");
+        assert_eq!(v["error"]["code"], *code, "{what}: {v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {v}");
+        assert!(v["error"]["type"].is_string(), "{what}: {v}");
+        server.assert_healthy(what);
+    }
+
+    // A body over --max-body: 413, read from a file as a client would upload it.
+    let big = common::scratch_dir("server-bad-input").join("big.json");
+    std::fs::write(&big, json!({ "prompt": "x".repeat(100_000) }).to_string()).unwrap();
+    let url = format!("{}/v1/completions", server.base);
+    let (code, text) = curl(&["-X", "POST", "--data-binary", &format!("@{}", big.display()), &url]);
+    assert_eq!(code, 413, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "request_too_large");
+    server.assert_healthy("a body over the limit");
+
+    // A wrong method is refused the same way.
+    let (code, text) = curl(&["-X", "GET", &url]);
+    assert_eq!(code, 405, "{text}");
+    assert!(text.contains("method_not_allowed"));
+    server.assert_healthy("a wrong method");
+
+    // None of it cost a slot, and the server still generates.
+    assert_eq!(server.metric("requests_failed_total"), 0.0);
+    let ok = server.post_ok("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4 }));
+    assert_eq!(ok["usage"]["completion_tokens"], 4);
+    server.wait_idle();
+}
+
+#[test]
+fn an_api_key_guards_everything_but_health() {
+    let key = "sk-test-1234";
+    let server = Server::start("api-key", &["--api-key", key]);
+    server.assert_healthy("start");
+    let url = |p: &str| format!("{}{p}", server.base);
+    for path in ["/v1/models", "/props", "/metrics"] {
+        let (code, text) = curl(&[&url(path)]);
+        assert_eq!(code, 401, "{path}: {text}");
+        assert!(text.contains("invalid_api_key"), "{text}");
+        let (code, _) = curl(&["-H", "Authorization: Bearer nope", &url(path)]);
+        assert_eq!(code, 401, "{path} with a wrong key");
+        let (code, text) = curl(&["-H", &format!("Authorization: Bearer {key}"), &url(path)]);
+        assert_eq!(code, 200, "{path} with the key: {text}");
+    }
+    let (code, _) = curl(&["-X", "POST", "-d", r#"{"prompt":"hi","max_tokens":2}"#, &url("/v1/completions")]);
+    assert_eq!(code, 401);
+
+    let r = openai_scenario(&["auth", &server.base, MODEL, key]);
+    assert_eq!(r["with_key"], "length");
+    assert_eq!(r["wrong_key"], json!({ "status": 401, "code": "invalid_api_key" }));
+}
+
+/// One slot and one queue place: a third request is refused with 503 while two are held,
+/// and clients that leave free the slot and the queue place at once.
+#[test]
+fn a_full_queue_answers_503_and_clients_that_leave_free_their_slot() {
+    let server = Server::start("queue", &["--parallel", "1", "--queue", "1"]);
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 4000, "stream": true }).to_string();
+    let url = format!("{}/v1/completions", server.base);
+    let hold = || {
+        Command::new("curl")
+            .args(["-sN", "--noproxy", "*", "--max-time", "60", "-X", "POST", "-d", &long, &url])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let wait_for = |name: &str, value: f64| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while server.metric(name) != value {
+            assert!(Instant::now() < deadline, "{name} never reached {value}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut running = hold();
+    wait_for("requests_in_flight", 1.0);
+    let mut waiting = hold();
+    wait_for("requests_queued", 1.0);
+
+    let (code, v) = server.post("/v1/completions", r#"{"prompt": "hi", "max_tokens": 2}"#);
+    assert_eq!(code, 503, "{v}");
+    assert_eq!(v["error"]["code"], "server_busy");
+    assert_eq!(server.metric("requests_rejected_total"), 1.0);
+    server.assert_healthy("a refused request");
+
+    for c in [&mut waiting, &mut running] {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    server.wait_idle();
+    assert_eq!(server.metric("requests_cancelled_total"), 1.0, "the running request was not cancelled");
+    assert_eq!(server.metric("requests_finished_total"), 0.0);
+    let ok = server.post_ok("/v1/completions", json!({ "prompt": "hi", "max_tokens": 2 }));
+    assert_eq!(ok["usage"]["completion_tokens"], 2);
+}

@@ -1,0 +1,176 @@
+"""Drives `dflash2 serve` with the official `openai` client, for tests/server.rs.
+
+Each scenario prints one JSON object on stdout; the Rust test makes the assertions.
+
+    server_openai.py basic BASE MODEL
+    server_openai.py load BASE PLAIN_BASE MODEL REQUESTS.json CLIENTS
+    server_openai.py auth BASE MODEL KEY
+"""
+import json
+import re
+import sys
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+from openai import OpenAI
+
+TIMEOUT = 120.0
+
+
+def client(base, key="unused"):
+    return OpenAI(base_url=base + "/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
+
+
+def collect_stream(stream):
+    """Text, finish reason, usage and chunk count of a streamed chat or text completion."""
+    pieces, finish, usage, chunks = [], None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            delta = choice.delta.content if hasattr(choice, "delta") else choice.text
+            if delta:
+                pieces.append(delta)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    return {"text": "".join(pieces), "finish": finish, "usage": usage, "chunks": chunks}
+
+
+def chat(c, model, messages, stream, **kw):
+    if stream:
+        s = c.chat.completions.create(
+            model=model, messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+        )
+        return collect_stream(s)
+    r = c.chat.completions.create(model=model, messages=messages, **kw)
+    d = r.model_dump()
+    return {
+        "text": r.choices[0].message.content,
+        "finish": r.choices[0].finish_reason,
+        "usage": r.usage.model_dump(),
+        "timings": d.get("timings"),
+        "object": r.object,
+        "role": r.choices[0].message.role,
+    }
+
+
+def complete(c, model, prompt, stream, **kw):
+    if stream:
+        s = c.completions.create(
+            model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+        )
+        return collect_stream(s)
+    r = c.completions.create(model=model, prompt=prompt, **kw)
+    d = r.model_dump()
+    return {
+        "text": r.choices[0].text,
+        "finish": r.choices[0].finish_reason,
+        "usage": r.usage.model_dump(),
+        "timings": d.get("timings"),
+        "object": r.object,
+    }
+
+
+def basic(base, model):
+    c = client(base)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me about the sea."},
+    ]
+    kw = {"max_tokens": 24, "temperature": 0, "seed": 1}
+    out = {
+        "models": [m.id for m in c.models.list().data],
+        "chat": chat(c, model, messages, False, **kw),
+        "chat_stream": chat(c, model, messages, True, **kw),
+        "completion": complete(c, model, "The quick brown fox", False, max_tokens=32, temperature=0),
+        "completion_stream": complete(c, model, "The quick brown fox", True, max_tokens=32, temperature=0),
+    }
+    # A stop string taken from the middle of the text: both ways must end just before it.
+    stop = out["completion"]["text"][12:15]
+    out["stop"] = stop
+    out["stopped"] = complete(c, model, "The quick brown fox", False, max_tokens=32, temperature=0, stop=[stop])
+    out["stopped_stream"] = complete(
+        c, model, "The quick brown fox", True, max_tokens=32, temperature=0, stop=[stop]
+    )
+    try:
+        c.chat.completions.create(model="no-such-model", messages=messages, max_tokens=4)
+        out["unknown_model"] = None
+    except openai.NotFoundError as e:
+        out["unknown_model"] = {"status": e.status_code, "code": e.code}
+    print(json.dumps(out))
+
+
+def metric(text, name):
+    m = re.search(r"^dflash2_%s (\S+)$" % name, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def load(base, plain_base, model, requests_path, clients):
+    with open(requests_path) as f:
+        requests = json.load(f)
+    spec_client, plain_client = client(base), client(plain_base)
+    peak = {"in_flight": 0.0, "queued": 0.0}
+    stop = threading.Event()
+
+    def watch():
+        # Bounded by `stop`; each poll has its own timeout.
+        while not stop.wait(0.01):
+            try:
+                with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            for k in peak:
+                peak[k] = max(peak[k], metric(text, "requests_" + k))
+
+    def run(c, r, stream):
+        kw = {"max_tokens": r["max_tokens"], "temperature": 0}
+        if r["stop"]:
+            kw["stop"] = r["stop"]
+        try:
+            if r["kind"] == "chat":
+                return chat(c, model, [{"role": "user", "content": r["prompt"]}], stream, **kw)
+            return complete(c, model, r["prompt"], stream, **kw)
+        except Exception as e:  # reported, and failed by the Rust side
+            return {"error": repr(e)}
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            spec = list(pool.map(lambda r: run(spec_client, r, True), requests))
+    finally:
+        stop.set()
+        watcher.join()
+    # The reference: each request alone, on the server that decodes plainly.
+    plain = [run(plain_client, r, False) for r in requests]
+    print(json.dumps({"spec": spec, "plain": plain, "peak": peak}))
+
+
+def auth(base, model, key):
+    out = {}
+    r = client(base, key).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    out["with_key"] = r.choices[0].finish_reason
+    try:
+        client(base, "wrong-" + key).models.list()
+        out["wrong_key"] = None
+    except openai.AuthenticationError as e:
+        out["wrong_key"] = {"status": e.status_code, "code": e.code}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "basic":
+        basic(*args)
+    elif cmd == "load":
+        load(*args[:4], int(args[4]))
+    elif cmd == "auth":
+        auth(*args)
+    else:
+        sys.exit("unknown scenario " + cmd)
