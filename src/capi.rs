@@ -402,14 +402,14 @@ fn load_models(cfg: &EngineConfig) -> Result<(Arc<Model>, Option<Arc<Model>>)> {
 }
 
 /// Turns committed token bytes into whole UTF-8 characters, exactly as
-/// `String::from_utf8_lossy` over the whole output would read them.
+/// `String::from_utf8_lossy` over the whole output would read them (the chat prints with it too).
 #[derive(Default)]
-struct Utf8Stream {
+pub(crate) struct Utf8Stream {
     pending: Vec<u8>,
 }
 
 impl Utf8Stream {
-    fn push(&mut self, bytes: &[u8]) -> String {
+    pub(crate) fn push(&mut self, bytes: &[u8]) -> String {
         self.pending.extend_from_slice(bytes);
         let mut out = String::new();
         loop {
@@ -439,7 +439,7 @@ impl Utf8Stream {
     }
 
     /// What is left when the output ends (a character cut short becomes U+FFFD).
-    fn finish(&mut self) -> String {
+    pub(crate) fn finish(&mut self) -> String {
         let rest = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         rest

@@ -197,6 +197,31 @@ mod probe {
                 b.add_token(s[n + 3], n as i32 + 3, &[0], true).unwrap();
                 ctx.decode(&b, "next2").unwrap();
                 cmp("the token after", &plain[3], ctx.logits(0).unwrap());
+                // the suggested fix: drop every tree cell after the anchor, re-decode the accepted token
+                let mut ctx = ctx2(&model);
+                b.clear();
+                for (i, &t) in s[..n].iter().enumerate() {
+                    b.add_token(t, i as i32, &[0], false).unwrap();
+                }
+                ctx.decode(&b, "head").unwrap();
+                ctx.seq_cp(0, 1, -1, -1);
+                b.clear();
+                b.add_token(s[n], n as i32, &[0, 1], true).unwrap();
+                b.add_token(7, n as i32 + 1, &[1], true).unwrap();
+                b.add_token(s[n + 1], n as i32 + 1, &[0], true).unwrap();
+                ctx.decode(&b, "tree").unwrap();
+                ctx.seq_rm(1, -1, -1).unwrap();
+                ctx.seq_rm(0, n as i32 + 1, -1).unwrap();
+                b.clear();
+                b.add_token(s[n + 1], n as i32 + 1, &[0], true).unwrap();
+                ctx.decode(&b, "redo").unwrap();
+                cmp("fix: re-decoded accepted token", &plain[1], ctx.logits(0).unwrap());
+                for k in 2..4 {
+                    b.clear();
+                    b.add_token(s[n + k], (n + k) as i32, &[0], true).unwrap();
+                    ctx.decode(&b, "next").unwrap();
+                    cmp("fix: following token", &plain[k], ctx.logits(0).unwrap());
+                }
                 // same without the sibling, but a 2-sequence context and a multi-seq anchor
                 let mut ctx = ctx2(&model);
                 b.clear();

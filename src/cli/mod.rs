@@ -1,6 +1,7 @@
 //! The command line: one file per subcommand; flags are defined once, here and in
 //! the subcommand's `Args` struct.
 pub mod bench;
+pub mod chat;
 pub mod generate;
 pub mod inspect;
 pub mod serve;
@@ -19,6 +20,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate a completion for one prompt.
     Generate(generate::GenerateArgs),
+    /// Chat interactively, the conversation kept in the cache.
+    Chat(chat::ChatArgs),
     /// Compare selection modes on a prompt set, side by side.
     Bench(bench::BenchArgs),
     /// Print a GGUF's metadata and, with --target, whether a drafter pairs with it.
@@ -33,6 +36,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match &cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Chat(a) => chat::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Serve(a) => serve::run(a),
