@@ -148,6 +148,8 @@ pub struct Stats {
     pub n_draft_accepted: usize,
     /// `accepted_hist[n]`: speculative cycles that accepted exactly `n` drafted tokens.
     pub accepted_hist: Vec<usize>,
+    /// Accepted tree tokens decoded a second time to keep the cache in position order.
+    pub redecoded: usize,
     pub prefill_ms: f64,
     pub draft_ms: f64,
     pub verify_ms: f64,
@@ -484,6 +486,9 @@ impl Engine {
             }
             tree.nodes.truncate(keep);
         }
+        if !tree.is_chain() {
+            tree = tree.depth_first();
+        }
         let n_leaves = self.fill_verify_batch(last, pos0, &tree)?;
         let t2 = Instant::now();
         stats.host_ms += (t2 - t1).as_secs_f64() * 1e3;
@@ -527,8 +532,17 @@ impl Engine {
         // Commit: the target keeps `last` and the accepted path, the drafter receives
         // their features; everything else leaves both caches.
         self.commit_target(pos0, &tree, &path, n_leaves)?;
-        let rows: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
+        // Nodes laid out after a rejected branch sit in cells behind free ones; later
+        // tokens would fill those first and the cache would no longer be in position
+        // order, which changes llama.cpp's attention rounding. Decode that tail again.
+        let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();
+        let rows: Vec<usize> = std::iter::once(0).chain(path[..in_order].iter().map(|&i| i + 1)).collect();
         self.inject_rows(&rows, pos0)?;
+        if in_order < path.len() {
+            let tail: Vec<Token> = path[in_order..].iter().map(|&i| tree.nodes[i].token).collect();
+            self.redecode(&tail, pos0 + 1 + in_order)?;
+            stats.redecoded += tail.len();
+        }
         stats.draft_ms += ms_since(t4);
 
         self.cached.push(last);
@@ -593,6 +607,19 @@ impl Engine {
             self.target.seq_rm(s, -1, -1)?;
         }
         Ok(())
+    }
+
+    /// Decode `tokens` again as a chain at `pos0..` (after dropping their cells) and queue
+    /// their features for the drafter.
+    fn redecode(&mut self, tokens: &[Token], pos0: usize) -> Result<()> {
+        self.target.seq_rm(0, pos0 as i32, -1)?;
+        self.batch.clear();
+        for (i, &t) in tokens.iter().enumerate() {
+            self.batch.add_token(t, (pos0 + i) as i32, &[0], false)?;
+        }
+        self.target.decode(&self.batch, "re-decode of an accepted branch")?;
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        self.inject_rows(&rows, pos0)
     }
 
     /// Greedy verification: follow the target's argmax down the tree.

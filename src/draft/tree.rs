@@ -85,3 +85,79 @@ impl DraftTree {
         (0..self.nodes.len()).filter(|&i| !has_child[i]).collect()
     }
 }
+
+impl DraftTree {
+    /// The same tree with its nodes in depth-first order, the likelier child first.
+    ///
+    /// The verify batch lays nodes out in this order, so the most likely path occupies
+    /// the cache cells right after the anchor. When the target accepts (a prefix of) that
+    /// path, the accepted cells stay in position order once the rest is dropped.
+    pub fn depth_first(&self) -> DraftTree {
+        let mut path_prob = vec![0f32; self.nodes.len()];
+        for (i, n) in self.nodes.iter().enumerate() {
+            path_prob[i] = n.parent.map_or(1.0, |p| path_prob[p]) * n.q;
+        }
+        let mut order = Vec::with_capacity(self.nodes.len());
+        let mut stack: Vec<usize> = self.sorted_children(None, &path_prob);
+        stack.reverse();
+        while let Some(i) = stack.pop() {
+            order.push(i);
+            let mut kids = self.sorted_children(Some(i), &path_prob);
+            kids.reverse();
+            stack.extend(kids);
+        }
+        let mut new_index = vec![0usize; self.nodes.len()];
+        for (new, &old) in order.iter().enumerate() {
+            new_index[old] = new;
+        }
+        let nodes = order
+            .iter()
+            .map(|&old| {
+                let mut n = self.nodes[old].clone();
+                n.parent = n.parent.map(|p| new_index[p]);
+                n
+            })
+            .collect();
+        DraftTree { nodes }
+    }
+
+    fn sorted_children(&self, parent: Option<usize>, path_prob: &[f32]) -> Vec<usize> {
+        let mut kids: Vec<usize> = self.children(parent).collect();
+        kids.sort_by(|&a, &b| path_prob[b].total_cmp(&path_prob[a]).then(a.cmp(&b)));
+        kids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(token: i32, parent: Option<usize>, depth: usize, q: f32) -> DraftNode {
+        DraftNode { token, parent, depth, cand: 0, q }
+    }
+
+    #[test]
+    fn depth_first_puts_the_likeliest_path_first_and_keeps_parents_first() {
+        // Best-first order: a(0.6) b(0.4) | a's kids c(0.5) d(0.9) | b's kid e(0.9)
+        let t = DraftTree {
+            nodes: vec![
+                node(1, None, 1, 0.6),
+                node(2, None, 1, 0.4),
+                node(3, Some(0), 2, 0.5),
+                node(4, Some(0), 2, 0.9),
+                node(5, Some(1), 2, 0.9),
+            ],
+        };
+        let d = t.depth_first();
+        let tokens: Vec<i32> = d.nodes.iter().map(|n| n.token).collect();
+        assert_eq!(tokens, vec![1, 4, 3, 2, 5]);
+        for (i, n) in d.nodes.iter().enumerate() {
+            if let Some(p) = n.parent {
+                assert!(p < i, "parent after child");
+                assert_eq!(d.nodes[p].depth + 1, n.depth);
+            }
+        }
+        assert_eq!(d.path_to(1), vec![0, 1]);
+        assert_eq!(d.nodes[4].parent, Some(3));
+    }
+}
