@@ -236,20 +236,27 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Load the models named in `cfg`. The files are checked first (readable GGUF, and a
-    /// drafter that pairs with the target), so a bad file is a clear error, not an abort.
+    /// Load the models named in `cfg` and build an engine over them.
     pub fn load(cfg: &EngineConfig) -> Result<Self> {
+        let (target, drafter) = Self::load_models(cfg)?;
+        Self::from_models(target, drafter, cfg)
+    }
+
+    /// Load the target and drafter of `cfg`, to share among several engines. The files are
+    /// checked first (readable GGUF, a drafter that pairs with the target), so a bad file
+    /// is a clear error, not an abort inside llama.cpp.
+    pub fn load_models(cfg: &EngineConfig) -> Result<(Arc<Model>, Option<Arc<Model>>)> {
         match &cfg.drafter {
             Some(d) => drop(crate::gguf::check_pair_files(&cfg.target, d)?),
             None => drop(crate::gguf::read_model_info(&cfg.target)?),
         }
         let mparams = ModelParams { n_gpu_layers: cfg.n_gpu_layers };
-        let target_model = Arc::new(Model::load(&cfg.target, &mparams)?);
-        let drafter_model = match &cfg.drafter {
+        let target = Arc::new(Model::load(&cfg.target, &mparams)?);
+        let drafter = match &cfg.drafter {
             Some(p) => Some(Arc::new(Model::load(p, &mparams)?)),
             None => None,
         };
-        Self::from_models(target_model, drafter_model, cfg)
+        Ok((target, drafter))
     }
 
     pub fn from_models(target: Arc<Model>, drafter: Option<Arc<Model>>, cfg: &EngineConfig) -> Result<Self> {
@@ -807,6 +814,16 @@ impl Run {
         self.out.text()
     }
 
+    /// Output bytes so far (a token may end inside a UTF-8 character).
+    pub fn text_bytes(&self) -> &[u8] {
+        &self.out.bytes[..self.out.stop_at.unwrap_or(self.out.bytes.len())]
+    }
+
+    /// The stop string that ended the generation, if one did.
+    pub fn stop_word(&self) -> Option<&str> {
+        self.out.stop_word.as_deref()
+    }
+
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.n_generated = self.out.tokens.len();
@@ -843,6 +860,7 @@ struct Output {
     bytes: Vec<u8>,
     /// Text length after a stop string was found (the stop string excluded).
     stop_at: Option<usize>,
+    stop_word: Option<String>,
 }
 
 impl Output {
@@ -855,8 +873,9 @@ impl Output {
             self.tokens.push(t);
             let from = self.bytes.len();
             self.bytes.extend_from_slice(&model.token_bytes(t, false));
-            if let Some(at) = find_stop(&self.bytes, from, &opts.stop) {
+            if let Some((at, word)) = find_stop(&self.bytes, from, &opts.stop) {
                 self.stop_at = Some(at);
+                self.stop_word = Some(word.to_string());
                 return Some(FinishReason::Stop);
             }
             if self.tokens.len() >= opts.n_predict {
@@ -872,15 +891,31 @@ impl Output {
     }
 }
 
-/// Start of the earliest stop string that ends in `bytes[from..]`.
-fn find_stop(bytes: &[u8], from: usize, stops: &[String]) -> Option<usize> {
+/// The earliest stop string that ends in `bytes[from..]`, and where it starts.
+fn find_stop<'s>(bytes: &[u8], from: usize, stops: &'s [String]) -> Option<(usize, &'s str)> {
     stops
         .iter()
         .filter(|s| !s.is_empty())
-        .filter_map(|s| {
-            let s = s.as_bytes();
+        .filter_map(|word| {
+            let s = word.as_bytes();
             let start = from.saturating_sub(s.len() - 1);
-            bytes[start..].windows(s.len()).position(|w| w == s).map(|p| start + p)
+            bytes[start..].windows(s.len()).position(|w| w == s).map(|p| (start + p, word.as_str()))
         })
-        .min()
+        .min_by_key(|&(at, _)| at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::find_stop;
+
+    #[test]
+    fn stop_strings_are_found_across_token_boundaries() {
+        let stops = vec!["\n\n".to_string(), "END".to_string()];
+        // "EN" came with an earlier token, "D" with the new one (from = 5).
+        assert_eq!(find_stop(b"abc\nEND", 6, &stops), Some((4, "END")));
+        assert_eq!(find_stop(b"abc\n\nx", 5, &stops), Some((3, "\n\n")));
+        assert_eq!(find_stop(b"abcdef", 3, &stops), None);
+        // The earliest match wins.
+        assert_eq!(find_stop(b"END\n\n", 0, &stops), Some((0, "END")));
+    }
 }

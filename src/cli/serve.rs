@@ -1,6 +1,5 @@
 //! `dflash2 serve`: the HTTP server (OpenAI and llama-server endpoints).
-use crate::engine::{self, EngineConfig, FeatureMode, SelectMode};
-use crate::llama::{Model, ModelParams};
+use crate::engine::{self, Engine, EngineConfig, FeatureMode, SelectMode};
 use crate::server::metrics::Metrics;
 use crate::server::scheduler::{Scheduler, SlotModels};
 use crate::server::{self, AppState, Defaults};
@@ -113,13 +112,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 /// Load the models once, for every slot to share; the files are checked first (readable
 /// GGUF, a drafter that pairs with the target) so a bad file is an error, not an abort.
 fn load_models(cfg: &EngineConfig) -> anyhow::Result<SlotModels> {
-    match &cfg.drafter {
-        Some(d) => drop(crate::gguf::check_pair_files(&cfg.target, d)?),
-        None => drop(crate::gguf::read_model_info(&cfg.target)?),
-    }
-    let params = ModelParams { n_gpu_layers: cfg.n_gpu_layers };
-    let target = Arc::new(Model::load(&cfg.target, &params)?);
-    let drafter = cfg.drafter.as_deref().map(|p| Model::load(p, &params).map(Arc::new)).transpose()?;
+    let (target, drafter) = Engine::load_models(cfg)?;
     Ok(SlotModels { target, drafter, cfg: cfg.clone() })
 }
 
