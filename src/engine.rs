@@ -48,6 +48,8 @@ pub struct EngineConfig {
     pub n_threads: i32,
     pub n_gpu_layers: i32,
     pub features: FeatureMode,
+    /// Conversations held side by side, decoded together (one cache sequence each).
+    pub n_slots: usize,
 }
 
 impl EngineConfig {
@@ -60,6 +62,7 @@ impl EngineConfig {
             n_threads: default_threads(),
             n_gpu_layers: 999,
             features: FeatureMode::Auto,
+            n_slots: 1,
         }
     }
 }
@@ -150,6 +153,8 @@ pub struct Stats {
     pub accepted_hist: Vec<usize>,
     /// Accepted tree tokens decoded a second time to keep the cache in position order.
     pub redecoded: usize,
+    /// Drafter calls (a drafter decode may serve several slots at once).
+    pub n_draft_calls: usize,
     pub prefill_ms: f64,
     pub draft_ms: f64,
     pub verify_ms: f64,
@@ -218,18 +223,44 @@ pub enum EngineError {
 
 pub type Result<T> = std::result::Result<T, EngineError>;
 
-pub struct Engine {
-    // Field order is drop order: the drafter's context borrows from the target's.
-    drafter: Option<Drafter>,
-    target: Context,
-    batch: Batch,
-    /// Tokens whose K/V are in the target cache (and whose features are in the drafter's).
+/// One conversation's place in the caches: sequence `slot` of both contexts.
+#[derive(Default)]
+struct Slot {
+    /// Tokens whose K/V are in the target cache (and whose features are, or are queued
+    /// to be, in the drafter's).
     cached: Vec<Token>,
     /// Target features not yet injected into the drafter: whole rows for consecutive
     /// positions from `pending_pos0`. Injection waits until the next draft, so plain
     /// steps cost only a copy and the drafter gets one batched decode.
     pending: Vec<f32>,
     pending_pos0: usize,
+}
+
+/// What one run does in a cycle.
+struct Plan {
+    /// Index into the cycle's runs.
+    run: usize,
+    slot: usize,
+    /// The last committed token (not yet decoded) and its position.
+    last: Token,
+    pos0: usize,
+    /// Drafted tokens allowed this cycle (0: a plain step).
+    max_draft: usize,
+    lattice: Option<lattice::Lattice>,
+    tree: DraftTree,
+    gains: Vec<f32>,
+    /// First verify-batch row of this run (its anchor).
+    row0: usize,
+    /// Leaf sequences of a token tree (0 for a path).
+    n_leaves: usize,
+}
+
+pub struct Engine {
+    // Field order is drop order: the drafter's context borrows from the target's.
+    drafter: Option<Drafter>,
+    target: Context,
+    batch: Batch,
+    slots: Vec<Slot>,
     cost: CostModel,
     /// Scratch: the token history of a verify row (for the repetition penalty).
     history: Vec<Token>,
@@ -277,23 +308,33 @@ impl Engine {
                 }
             }
         };
+        let n_slots = cfg.n_slots.max(1);
         let n_batch = cfg.n_batch.max(64);
-        // Token trees put each leaf in its own sequence, all in one unified cache.
-        let n_seq_max = if drafter.is_some() { MAX_TREE_LEAVES + 1 } else { 1 };
-        let params =
-            ContextParams { n_ctx: cfg.n_ctx, n_batch, n_seq_max, n_threads: cfg.n_threads, features };
+        // One slot: a unified cache where token trees put each leaf in a sequence of its
+        // own. Several slots: each gets a stream of n_ctx cells to itself, so its cells
+        // stay in position order whatever the others do; llama.cpp's attention rounds
+        // differently when a sequence's cells are out of order, and the output must stay
+        // bit-identical to decoding that conversation alone.
+        let unified = n_slots == 1;
+        let n_seq_max = if unified && drafter.is_some() { 1 + MAX_TREE_LEAVES } else { n_slots };
+        let params = ContextParams {
+            n_ctx: cfg.n_ctx * n_slots,
+            n_batch,
+            n_seq_max,
+            n_threads: cfg.n_threads,
+            features,
+            kv_unified: unified,
+        };
         let target_ctx = Context::new(target, &params, None)?;
         let drafter = match drafter {
-            Some(d) => Some(Drafter::new(d, &target_ctx, cfg.n_threads)?),
+            Some(d) => Some(Drafter::new(d, &target_ctx, n_slots, cfg.n_threads)?),
             None => None,
         };
         Ok(Self {
             drafter,
             batch: Batch::tokens(target_ctx.n_batch(), n_seq_max),
             target: target_ctx,
-            cached: Vec::new(),
-            pending: Vec::new(),
-            pending_pos0: 0,
+            slots: (0..n_slots).map(|_| Slot::default()).collect(),
             cost: CostModel::default(),
             history: Vec::new(),
         })
@@ -311,17 +352,29 @@ impl Engine {
         self.drafter.as_ref()
     }
 
+    /// Positions one conversation (slot) can hold.
     pub fn n_ctx(&self) -> usize {
-        self.target.n_ctx()
+        self.target.n_ctx_per_seq()
     }
 
-    /// Forget the cached conversation.
+    /// Conversations this engine holds side by side.
+    pub fn n_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Forget every cached conversation.
     pub fn reset(&mut self) -> Result<()> {
-        self.truncate_cache(0)
+        (0..self.slots.len()).try_for_each(|s| self.truncate_cache(s, 0))
     }
 
-    /// Generate a continuation of `prompt`. `on_tokens` sees every batch of committed
-    /// tokens as it lands and returns `false` to stop.
+    /// Forget the conversation of one slot.
+    pub fn reset_slot(&mut self, slot: usize) -> Result<()> {
+        self.check_slot(slot)?;
+        self.truncate_cache(slot, 0)
+    }
+
+    /// Generate a continuation of `prompt` in slot 0. `on_tokens` sees every batch of
+    /// committed tokens as it lands and returns `false` to stop.
     pub fn generate(
         &mut self,
         prompt: &[Token],
@@ -342,10 +395,17 @@ impl Engine {
         Ok(run.into_generation())
     }
 
-    /// Begin a generation: decode the prompt (what the cache lacks of it) and commit the
-    /// first token. Continue with [`Engine::step`] until [`Run::finish`] is set.
+    /// Begin a generation in slot 0; see [`Engine::start_in`].
     pub fn start(&mut self, prompt: &[Token], opts: &GenerateOptions) -> Result<Run> {
+        self.start_in(0, prompt, opts)
+    }
+
+    /// Begin a generation in `slot`: decode the prompt (what the slot's cache lacks of it)
+    /// and commit the first token. Continue with [`Engine::step`] or [`Engine::step_all`]
+    /// until [`Run::finish`] is set.
+    pub fn start_in(&mut self, slot: usize, prompt: &[Token], opts: &GenerateOptions) -> Result<Run> {
         let t_start = Instant::now();
+        self.check_slot(slot)?;
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -360,6 +420,7 @@ impl Engine {
             tracing::info!("tree selection samples a single path at temperature > 0");
         }
         let mut run = Run {
+            slot,
             opts: opts.clone(),
             sampler: Sampler::new(opts.sampling.clone()),
             stats: Stats { n_prompt: prompt.len(), ..Stats::default() },
@@ -369,274 +430,279 @@ impl Engine {
             speculative,
             t_start,
         };
-        run.next = self.prefill(prompt, &mut run.sampler, &mut run.stats)?;
+        run.next = self.prefill(slot, prompt, &mut run.sampler, &mut run.stats)?;
         run.stats.prefill_ms = ms_since(t_start);
         if speculative && opts.adaptive {
-            self.calibrate(opts.block.max(opts.tree_budget + 1))?;
+            self.calibrate(slot, opts.block.max(opts.tree_budget + 1))?;
         }
         run.commit(self.target.model(), &[run.next]);
         Ok(run)
     }
 
-    /// One cycle: a speculative draft-and-verify (or a plain step), committing at least
-    /// one token. Returns the tokens committed to the output by this cycle.
+    /// One cycle of one run; see [`Engine::step_all`].
     pub fn step(&mut self, run: &mut Run) -> Result<Vec<Token>> {
-        if run.finish.is_some() {
-            return Ok(Vec::new());
-        }
-        // `run.next` is committed but not yet decoded: it sits at position cached.len().
-        let pos = self.cached.len();
-        if pos >= self.n_ctx() {
-            run.finish = Some(FinishReason::Context);
-            return Ok(Vec::new());
-        }
-        let remaining = run.opts.n_predict - run.out.tokens.len();
-        let room = self.n_ctx() - pos - 1;
-        let max_draft = run.opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
-        let draft = run.speculative && max_draft > 0 && (!run.opts.adaptive || self.cost.should_draft());
-        let new_tokens = if draft {
-            self.speculative_step(run.next, max_draft, &run.opts, &mut run.sampler, &mut run.stats)?
-        } else {
-            self.plain_step(run.next, &mut run.sampler, &mut run.stats)?
-        };
-        run.next = *new_tokens.last().expect("a step commits at least one token");
-        let before = run.out.tokens.len();
-        run.commit(self.target.model(), &new_tokens);
-        Ok(run.out.tokens[before..].to_vec())
+        Ok(self.step_all(&mut [run])?.pop().unwrap_or_default())
     }
 
-    /// Decode the part of `prompt` not already cached; returns the first generated token.
-    fn prefill(&mut self, prompt: &[Token], sampler: &mut Sampler, stats: &mut Stats) -> Result<Token> {
-        // Reuse the cached prefix, but always decode at least the last prompt token:
-        // its logits give the first generated token.
-        let common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        let keep = common.min(prompt.len() - 1);
-        self.truncate_cache(keep)?;
-        let todo = &prompt[keep..];
-        stats.n_prompt_decoded = todo.len();
-        let n_batch = self.batch.capacity();
-        let mut last_logits_row = 0;
-        for (c, chunk) in todo.chunks(n_batch).enumerate() {
-            let is_last_chunk = (c + 1) * n_batch >= todo.len();
-            self.batch.clear();
-            let pos0 = self.cached.len();
-            for (i, &t) in chunk.iter().enumerate() {
-                let output = is_last_chunk && i + 1 == chunk.len();
-                self.batch.add_token(t, (pos0 + i) as i32, &[0], output)?;
+    /// One cycle for several runs (each in its own slot): all their blocks are drafted in
+    /// ONE drafter decode and verified in ONE target decode. A run that does not draft
+    /// this cycle (plain decoding, or drafting would not pay) adds its one token to the
+    /// same verify decode. Returns, per run, the tokens committed to its output.
+    /// Token trees need a single-slot engine: with several slots, `tree` drafts the best path.
+    pub fn step_all(&mut self, runs: &mut [&mut Run]) -> Result<Vec<Vec<Token>>> {
+        let mut seen = vec![false; self.slots.len()];
+        for r in runs.iter() {
+            if std::mem::replace(&mut seen[r.slot], true) {
+                return Err(EngineError::Config(format!("two runs share slot {}", r.slot)));
             }
-            self.target.decode(&self.batch, "prompt")?;
-            let rows: Vec<usize> = (0..chunk.len()).collect();
-            self.inject_rows(&rows, pos0)?;
-            self.cached.extend_from_slice(chunk);
-            last_logits_row = chunk.len() - 1;
         }
-        Ok(sampler.pick(self.target.logits(last_logits_row)?, prompt))
-    }
-
-    /// Decode `last` alone and pick the target's next token.
-    fn plain_step(&mut self, last: Token, sampler: &mut Sampler, stats: &mut Stats) -> Result<Vec<Token>> {
-        let t0 = Instant::now();
-        let pos = self.cached.len();
-        self.batch.clear();
-        self.batch.add_token(last, pos as i32, &[0], true)?;
-        self.target.decode(&self.batch, "generation step")?;
-        self.history.clear();
-        if sampler.uses_history() {
-            self.history.extend_from_slice(&self.cached);
-            self.history.push(last);
+        let mut plans = self.plan(runs);
+        if plans.is_empty() {
+            return Ok(vec![Vec::new(); runs.len()]);
         }
-        let next = sampler.pick(self.target.logits(0)?, &self.history);
-        let ms = ms_since(t0);
-        stats.verify_ms += ms;
-        self.cost.record_verify(1, ms);
-        let t1 = Instant::now();
-        self.inject_rows(&[0], pos)?;
-        stats.draft_ms += ms_since(t1);
-        self.cached.push(last);
-        stats.record_cycle(0, 0);
-        Ok(vec![next])
-    }
-
-    /// One speculative cycle: draft after `last`, verify `[last, draft...]` in one target
-    /// decode, commit the accepted path plus the target's own next token.
-    fn speculative_step(
-        &mut self,
-        last: Token,
-        max_draft: usize,
-        opts: &GenerateOptions,
-        sampler: &mut Sampler,
-        stats: &mut Stats,
-    ) -> Result<Vec<Token>> {
-        let pos0 = self.cached.len();
         let t0 = Instant::now();
-        self.flush_features()?;
-        let drafter = self.drafter.as_mut().expect("speculative_step needs a drafter");
-        let lattice = drafter.draft(last, pos0, max_draft + 1)?;
+        self.draft(&mut plans, runs)?;
         let t1 = Instant::now();
         let draft_ms = (t1 - t0).as_secs_f64() * 1e3;
-        stats.draft_ms += draft_ms;
-        self.cost.record_draft(draft_ms);
 
-        let temperature = sampler.params().temperature;
-        let mut tree = if sampler.is_greedy() {
-            select(opts, &lattice, max_draft)
-        } else {
-            // Rejection sampling needs drafts drawn from q: a sampled path.
-            sample_path(&lattice, max_draft, temperature, sampler.rng())
-        };
-        let gains = tree_gains(&tree);
-        if opts.adaptive {
-            let keep = self.cost.choose_len(&gains, &tree);
-            if keep == 0 {
-                // Not worth verifying: the draft is sunk, decode plainly.
-                return self.plain_step(last, sampler, stats);
-            }
-            tree.nodes.truncate(keep);
+        // Trees need leaf sequences, which only a single-slot engine has.
+        let trees = self.slots.len() == 1;
+        for p in plans.iter_mut() {
+            self.select(p, &mut *runs[p.run], trees);
         }
-        if !tree.is_chain() {
-            tree = tree.depth_first();
-        }
-        let n_leaves = self.fill_verify_batch(last, pos0, &tree)?;
+        self.fill_verify_batch(&mut plans)?;
         let t2 = Instant::now();
-        stats.host_ms += (t2 - t1).as_secs_f64() * 1e3;
+        let host_ms = (t2 - t1).as_secs_f64() * 1e3;
 
         self.target.decode(&self.batch, "verify")?;
         let t3 = Instant::now();
         let verify_ms = (t3 - t2).as_secs_f64() * 1e3;
-        stats.verify_ms += verify_ms;
-        self.cost.record_verify(tree.len() + 1, verify_ms);
+        self.cost.record_verify(self.batch.len(), verify_ms);
 
-        let (path, next) = if sampler.is_greedy() {
-            self.accept_greedy(last, &tree, sampler)?
-        } else {
-            let ps = (0..=tree.len())
-                .map(|row| {
-                    self.row_history(last, &tree, row, sampler);
-                    Ok(sampler.distribution(self.target.logits(row)?, &self.history))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let qs: Vec<Vec<(i32, f32)>> = tree
-                .nodes
-                .iter()
-                .map(|n| {
-                    let pred = n.parent.map_or(0, |p| tree.nodes[p].cand);
-                    proposal(&lattice, n.depth - 1, pred, temperature)
-                })
-                .collect();
-            let drafts: Vec<Token> = tree.nodes.iter().map(|n| n.token).collect();
-            if opts.verifier == Verifier::AcceptAll {
-                let bonus = ps[drafts.len()].sample(sampler.rng());
-                ((0..drafts.len()).collect::<Vec<_>>(), bonus)
-            } else {
-                let r = verify_chain(&drafts, &qs, &ps, sampler.rng());
-                ((0..r.n_accepted).collect::<Vec<_>>(), r.next)
-            }
-        };
-        let n_acc = path.len();
-        let t4 = Instant::now();
-        stats.host_ms += (t4 - t3).as_secs_f64() * 1e3;
-
-        // Commit: the target keeps `last` and the accepted path, the drafter receives
-        // their features; everything else leaves both caches.
-        self.commit_target(pos0, &tree, &path, n_leaves)?;
-        // Nodes laid out after a rejected branch sit in cells behind free ones; later
-        // tokens would fill those first and the cache would no longer be in position
-        // order, which changes llama.cpp's attention rounding. Decode that tail again.
-        let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();
-        let rows: Vec<usize> = std::iter::once(0).chain(path[..in_order].iter().map(|&i| i + 1)).collect();
-        self.inject_rows(&rows, pos0)?;
-        if in_order < path.len() {
-            let tail: Vec<Token> = path[in_order..].iter().map(|&i| tree.nodes[i].token).collect();
-            self.redecode(&tail, pos0 + 1 + in_order)?;
-            stats.redecoded += tail.len();
+        let mut out = vec![Vec::new(); runs.len()];
+        let mut committed_total = 0;
+        let mut drafted_any = false;
+        for p in &plans {
+            let t = Instant::now();
+            let run = &mut *runs[p.run];
+            let committed = self.accept_and_commit(p, run)?;
+            committed_total += committed.len();
+            drafted_any |= !p.tree.is_empty();
+            let s = &mut run.stats;
+            s.draft_ms += draft_ms;
+            s.verify_ms += verify_ms;
+            s.host_ms += host_ms + ms_since(t);
+            run.next = *committed.last().expect("a cycle commits at least one token");
+            let before = run.out.tokens.len();
+            run.commit(self.target.model(), &committed);
+            out[p.run] = run.out.tokens[before..].to_vec();
         }
-        stats.draft_ms += ms_since(t4);
-
-        self.cached.push(last);
-        let mut committed: Vec<Token> = path.iter().map(|&i| tree.nodes[i].token).collect();
-        self.cached.extend_from_slice(&committed);
-        committed.push(next);
-        stats.record_cycle(tree.len(), n_acc);
-        if tree.is_chain() {
-            self.cost.record_acceptance(&gains[..tree.len()], n_acc);
+        if drafted_any {
+            self.cost.record_cycle(committed_total, plans.len(), ms_since(t0));
         }
-        self.cost.record_cycle(committed.len(), ms_since(t0));
-        Ok(committed)
+        Ok(out)
     }
 
-    /// Lay out `[last, nodes...]` for one verify decode. A chain lives in sequence 0; a
-    /// tree gives each leaf its own sequence (1..=leaves, sharing the cached prefix)
-    /// and each token the sequences of the leaves below it, at position = depth.
-    /// Returns the number of leaf sequences used (0 for a chain).
-    fn fill_verify_batch(&mut self, last: Token, pos0: usize, tree: &DraftTree) -> Result<usize> {
-        self.batch.clear();
-        if tree.is_chain() {
-            self.batch.add_token(last, pos0 as i32, &[0], true)?;
-            for node in &tree.nodes {
-                self.batch.add_token(node.token, (pos0 + node.depth) as i32, &[0], true)?;
+    /// Decide, for each unfinished run, how many tokens it may draft this cycle.
+    fn plan(&mut self, runs: &mut [&mut Run]) -> Vec<Plan> {
+        let n_ctx = self.n_ctx();
+        let mut plans = Vec::new();
+        for (i, run) in runs.iter_mut().enumerate() {
+            if run.finish.is_some() {
+                continue;
             }
-            return Ok(0);
-        }
-        let leaves = tree.leaves();
-        if leaves.len() > MAX_TREE_LEAVES {
-            return Err(EngineError::Config(format!("a tree of {} leaves exceeds {MAX_TREE_LEAVES}", leaves.len())));
-        }
-        let mut seqs: Vec<Vec<i32>> = vec![Vec::new(); tree.len()];
-        for (li, &leaf) in leaves.iter().enumerate() {
-            for node in tree.path_to(leaf) {
-                seqs[node].push(li as i32 + 1);
+            // `run.next` is committed but not yet decoded: it sits at position cached.len().
+            let pos0 = self.slots[run.slot].cached.len();
+            if pos0 >= n_ctx {
+                run.finish = Some(FinishReason::Context);
+                continue;
             }
+            let remaining = run.opts.n_predict - run.out.tokens.len();
+            let room = n_ctx - pos0 - 1;
+            let mut max_draft = run.opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
+            if !run.speculative || (max_draft > 0 && run.opts.adaptive && !self.cost.should_draft()) {
+                max_draft = 0;
+            }
+            plans.push(Plan {
+                run: i,
+                slot: run.slot,
+                last: run.next,
+                pos0,
+                max_draft,
+                lattice: None,
+                tree: DraftTree::default(),
+                gains: Vec::new(),
+                row0: 0,
+                n_leaves: 0,
+            });
         }
-        for s in 1..=leaves.len() as i32 {
-            self.target.seq_cp(0, s, -1, -1);
-        }
-        let all: Vec<i32> = (0..=leaves.len() as i32).collect();
-        self.batch.add_token(last, pos0 as i32, &all, true)?;
-        for (node, s) in tree.nodes.iter().zip(&seqs) {
-            self.batch.add_token(node.token, (pos0 + node.depth) as i32, s, true)?;
-        }
-        Ok(leaves.len())
+        plans
     }
 
-    /// Keep `last` and the accepted `path` in sequence 0 of the target cache; drop the rest.
-    fn commit_target(&mut self, pos0: usize, tree: &DraftTree, path: &[usize], n_leaves: usize) -> Result<()> {
-        let keep_end = (pos0 + 1 + path.len()) as i32;
-        if n_leaves == 0 {
-            return self.target.seq_rm(0, keep_end, -1).map_err(Into::into);
+    /// One drafter decode for every plan that drafts.
+    fn draft(&mut self, plans: &mut [Plan], runs: &mut [&mut Run]) -> Result<()> {
+        let drafting: Vec<usize> = (0..plans.len()).filter(|&i| plans[i].max_draft > 0).collect();
+        if drafting.is_empty() {
+            return Ok(());
         }
-        if let Some(&deepest) = path.last() {
-            // Any leaf below the deepest accepted node holds exactly the accepted path.
-            let leaf = tree.leaves().iter().position(|&l| tree.path_to(l).contains(&deepest));
-            let seq = leaf.expect("every node has a leaf below it") as i32 + 1;
-            self.target.seq_cp(seq, 0, pos0 as i32 + 1, keep_end);
+        let t0 = Instant::now();
+        for &i in &drafting {
+            self.flush_features(plans[i].slot)?;
         }
-        for s in 1..=n_leaves as i32 {
-            self.target.seq_rm(s, -1, -1)?;
+        let blocks: Vec<(Token, usize, i32)> =
+            drafting.iter().map(|&i| (plans[i].last, plans[i].pos0, plans[i].slot as i32)).collect();
+        let n_block = drafting.iter().map(|&i| plans[i].max_draft).max().unwrap_or(0) + 1;
+        let drafter = self.drafter.as_mut().expect("speculative runs need a drafter");
+        let lattices = drafter.draft(&blocks, n_block)?;
+        for (&i, l) in drafting.iter().zip(lattices) {
+            let n = plans[i].max_draft.min(l.n_pos);
+            plans[i].lattice = Some(l.truncated(n));
+        }
+        self.cost.record_draft(ms_since(t0));
+        for &i in &drafting {
+            runs[plans[i].run].stats.n_draft_calls += 1;
         }
         Ok(())
     }
 
-    /// Decode `tokens` again as a chain at `pos0..` (after dropping their cells) and queue
-    /// their features for the drafter.
-    fn redecode(&mut self, tokens: &[Token], pos0: usize) -> Result<()> {
-        self.target.seq_rm(0, pos0 as i32, -1)?;
-        self.batch.clear();
-        for (i, &t) in tokens.iter().enumerate() {
-            self.batch.add_token(t, (pos0 + i) as i32, &[0], false)?;
+    /// Pick the draft of one plan from its lattice (and its length, when adaptive).
+    fn select(&self, p: &mut Plan, run: &mut Run, trees: bool) {
+        let Some(lattice) = &p.lattice else { return };
+        let n = lattice.n_pos;
+        let mut tree = if run.sampler.is_greedy() {
+            match run.opts.select {
+                SelectMode::None | SelectMode::Greedy => Greedy.select(lattice, n),
+                SelectMode::BestPath => BestPath.select(lattice, n),
+                SelectMode::Tree if trees => TreeBestFirst.select(lattice, run.opts.tree_budget),
+                SelectMode::Tree => BestPath.select(lattice, n),
+            }
+        } else {
+            // Rejection sampling needs drafts drawn from q: a sampled path.
+            let temperature = run.sampler.params().temperature;
+            sample_path(lattice, n, temperature, run.sampler.rng())
+        };
+        let gains = tree_gains(&tree);
+        if run.opts.adaptive {
+            // Prefixes of best-first order are valid drafts; 0 means a plain step.
+            tree.nodes.truncate(self.cost.choose_len(&gains, &tree));
         }
-        self.target.decode(&self.batch, "re-decode of an accepted branch")?;
-        let rows: Vec<usize> = (0..tokens.len()).collect();
-        self.inject_rows(&rows, pos0)
+        if !tree.is_chain() {
+            tree = tree.depth_first();
+        }
+        p.gains = tree_gains(&tree);
+        p.tree = tree;
     }
 
-    /// Greedy verification: follow the target's argmax down the tree.
-    fn accept_greedy(&mut self, last: Token, tree: &DraftTree, sampler: &Sampler) -> Result<(Vec<usize>, Token)> {
+    /// Lay out every plan's `[last, nodes...]` for one verify decode. A path lives in its
+    /// slot's sequence; a tree gives each leaf its own sequence (sharing the slot's
+    /// prefix) and each token the sequences of the leaves below it, at position = depth.
+    fn fill_verify_batch(&mut self, plans: &mut [Plan]) -> Result<()> {
+        self.batch.clear();
+        let n_slots = self.slots.len() as i32;
+        for p in plans.iter_mut() {
+            p.row0 = self.batch.len();
+            let seq = p.slot as i32;
+            if p.tree.is_chain() {
+                self.batch.add_token(p.last, p.pos0 as i32, &[seq], true)?;
+                for node in &p.tree.nodes {
+                    self.batch.add_token(node.token, (p.pos0 + node.depth) as i32, &[seq], true)?;
+                }
+                continue;
+            }
+            let leaves = p.tree.leaves();
+            if leaves.len() > MAX_TREE_LEAVES {
+                return Err(EngineError::Config(format!("a tree of {} leaves exceeds {MAX_TREE_LEAVES}", leaves.len())));
+            }
+            let mut seqs: Vec<Vec<i32>> = vec![Vec::new(); p.tree.len()];
+            for (li, &leaf) in leaves.iter().enumerate() {
+                for node in p.tree.path_to(leaf) {
+                    seqs[node].push(n_slots + li as i32);
+                }
+            }
+            let mut all = vec![seq];
+            for li in 0..leaves.len() as i32 {
+                self.target.seq_cp(seq, n_slots + li, -1, -1);
+                all.push(n_slots + li);
+            }
+            self.batch.add_token(p.last, p.pos0 as i32, &all, true)?;
+            for (node, s) in p.tree.nodes.iter().zip(&seqs) {
+                self.batch.add_token(node.token, (p.pos0 + node.depth) as i32, s, true)?;
+            }
+            p.n_leaves = leaves.len();
+        }
+        Ok(())
+    }
+
+    /// Verify one plan's rows, keep what the target accepts in both caches, and return
+    /// the committed tokens (accepted drafts, then the target's own next token).
+    fn accept_and_commit(&mut self, p: &Plan, run: &mut Run) -> Result<Vec<Token>> {
+        let (path, next) = if run.sampler.is_greedy() {
+            self.accept_greedy(p, &run.sampler)?
+        } else {
+            let ps = (0..=p.tree.len())
+                .map(|row| {
+                    fill_row_history(&mut self.history, &self.slots[p.slot].cached, p.last, &p.tree, row, &run.sampler);
+                    Ok(run.sampler.distribution(self.target.logits(p.row0 + row)?, &self.history))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let lattice = p.lattice.as_ref();
+            let temperature = run.sampler.params().temperature;
+            let qs: Vec<Vec<(i32, f32)>> = p
+                .tree
+                .nodes
+                .iter()
+                .map(|n| {
+                    let pred = n.parent.map_or(0, |i| p.tree.nodes[i].cand);
+                    proposal(lattice.expect("drafted nodes have a lattice"), n.depth - 1, pred, temperature)
+                })
+                .collect();
+            let drafts: Vec<Token> = p.tree.nodes.iter().map(|n| n.token).collect();
+            if run.opts.verifier == Verifier::AcceptAll {
+                let bonus = ps[drafts.len()].sample(run.sampler.rng());
+                ((0..drafts.len()).collect::<Vec<_>>(), bonus)
+            } else {
+                let r = verify_chain(&drafts, &qs, &ps, run.sampler.rng());
+                ((0..r.n_accepted).collect::<Vec<_>>(), r.next)
+            }
+        };
+        let n_acc = path.len();
+
+        // The target keeps `last` and the accepted path, the drafter receives their
+        // features; everything else leaves both caches.
+        self.commit_target(p, &path)?;
+        // Nodes laid out after a rejected branch sit in cells behind free ones; later
+        // tokens would fill those first and the cache would no longer be in position
+        // order, which changes llama.cpp's attention rounding. Decode that tail again.
+        let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();
+        let rows: Vec<usize> = std::iter::once(p.row0).chain(path[..in_order].iter().map(|&i| p.row0 + i + 1)).collect();
+        self.queue_features(p.slot, &rows, p.pos0)?;
+        if in_order < n_acc {
+            let tail: Vec<Token> = path[in_order..].iter().map(|&i| p.tree.nodes[i].token).collect();
+            self.redecode(p.slot, &tail, p.pos0 + 1 + in_order)?;
+            run.stats.redecoded += tail.len();
+        }
+
+        let slot = &mut self.slots[p.slot];
+        slot.cached.push(p.last);
+        let mut committed: Vec<Token> = path.iter().map(|&i| p.tree.nodes[i].token).collect();
+        slot.cached.extend_from_slice(&committed);
+        committed.push(next);
+        run.stats.record_cycle(p.tree.len(), n_acc);
+        if !p.tree.is_empty() && p.tree.is_chain() {
+            self.cost.record_acceptance(&p.gains, n_acc);
+        }
+        Ok(committed)
+    }
+
+    /// Greedy verification: follow the target's argmax down the plan's draft.
+    fn accept_greedy(&mut self, p: &Plan, sampler: &Sampler) -> Result<(Vec<usize>, Token)> {
         let failure = std::cell::RefCell::new(None);
         let history = std::cell::RefCell::new(std::mem::take(&mut self.history));
-        let accepted = accept_greedy(tree, |row| {
+        let cached = &self.slots[p.slot].cached;
+        let accepted = accept_greedy(&p.tree, |row| {
             let mut h = history.borrow_mut();
-            fill_row_history(&mut h, &self.cached, last, tree, row, sampler);
-            match self.target.logits(row) {
+            fill_row_history(&mut h, cached, p.last, &p.tree, row, sampler);
+            match self.target.logits(p.row0 + row) {
                 Ok(l) => sampler.distribution(l, &h).argmax(),
                 Err(e) => {
                     failure.borrow_mut().get_or_insert(e);
@@ -651,28 +717,91 @@ impl Engine {
         }
     }
 
-    fn row_history(&mut self, last: Token, tree: &DraftTree, row: usize, sampler: &Sampler) {
-        fill_row_history(&mut self.history, &self.cached, last, tree, row, sampler);
-    }
-
-    /// Queue the features of `rows` of the last target decode for the drafter, at
-    /// consecutive positions from `pos0` (right after what is already queued).
-    fn inject_rows(&mut self, rows: &[usize], pos0: usize) -> Result<()> {
-        let Some(drafter) = self.drafter.as_ref() else { return Ok(()) };
-        if self.pending.is_empty() {
-            self.pending_pos0 = pos0;
+    /// Keep `last` and the accepted `path` in the slot's sequence of the target cache;
+    /// drop the rest of the plan's cells.
+    fn commit_target(&mut self, p: &Plan, path: &[usize]) -> Result<()> {
+        let seq = p.slot as i32;
+        let keep_end = (p.pos0 + 1 + path.len()) as i32;
+        if p.n_leaves == 0 {
+            return self.target.seq_rm(seq, keep_end, -1).map_err(Into::into);
         }
-        debug_assert_eq!(self.pending_pos0 + self.pending.len() / drafter.feature_width(), pos0);
-        self.target.append_features(rows, &mut self.pending)?;
+        let n_slots = self.slots.len() as i32;
+        if let Some(&deepest) = path.last() {
+            // Any leaf below the deepest accepted node holds exactly the accepted path.
+            let leaf = p.tree.leaves().iter().position(|&l| p.tree.path_to(l).contains(&deepest));
+            let leaf_seq = n_slots + leaf.expect("every node has a leaf below it") as i32;
+            self.target.seq_cp(leaf_seq, seq, p.pos0 as i32 + 1, keep_end);
+        }
+        for li in 0..p.n_leaves as i32 {
+            self.target.seq_rm(n_slots + li, -1, -1)?;
+        }
         Ok(())
     }
 
-    /// Inject the queued features into the drafter's cache.
-    fn flush_features(&mut self) -> Result<()> {
+    /// Decode `tokens` again as a path at `pos0..` of `slot` (after dropping their cells)
+    /// and queue their features for the drafter.
+    fn redecode(&mut self, slot: usize, tokens: &[Token], pos0: usize) -> Result<()> {
+        let seq = slot as i32;
+        self.target.seq_rm(seq, pos0 as i32, -1)?;
+        self.batch.clear();
+        for (i, &t) in tokens.iter().enumerate() {
+            self.batch.add_token(t, (pos0 + i) as i32, &[seq], false)?;
+        }
+        self.target.decode(&self.batch, "re-decode of an accepted branch")?;
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        self.queue_features(slot, &rows, pos0)
+    }
+
+    /// Decode the part of `prompt` not already cached in `slot`; returns the first
+    /// generated token.
+    fn prefill(&mut self, slot: usize, prompt: &[Token], sampler: &mut Sampler, stats: &mut Stats) -> Result<Token> {
+        // Reuse the cached prefix, but always decode at least the last prompt token:
+        // its logits give the first generated token.
+        let cached = &self.slots[slot].cached;
+        let common = cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let keep = common.min(prompt.len() - 1);
+        self.truncate_cache(slot, keep)?;
+        let todo = &prompt[keep..];
+        stats.n_prompt_decoded = todo.len();
+        let n_batch = self.batch.capacity();
+        let mut last_logits_row = 0;
+        for (c, chunk) in todo.chunks(n_batch).enumerate() {
+            let is_last_chunk = (c + 1) * n_batch >= todo.len();
+            self.batch.clear();
+            let pos0 = self.slots[slot].cached.len();
+            for (i, &t) in chunk.iter().enumerate() {
+                let output = is_last_chunk && i + 1 == chunk.len();
+                self.batch.add_token(t, (pos0 + i) as i32, &[slot as i32], output)?;
+            }
+            self.target.decode(&self.batch, "prompt")?;
+            let rows: Vec<usize> = (0..chunk.len()).collect();
+            self.queue_features(slot, &rows, pos0)?;
+            self.slots[slot].cached.extend_from_slice(chunk);
+            last_logits_row = chunk.len() - 1;
+        }
+        Ok(sampler.pick(self.target.logits(last_logits_row)?, prompt))
+    }
+
+    /// Queue the features of `rows` of the last target decode for the drafter, at
+    /// consecutive positions of `slot` from `pos0` (right after what is already queued).
+    fn queue_features(&mut self, slot: usize, rows: &[usize], pos0: usize) -> Result<()> {
+        let Some(drafter) = self.drafter.as_ref() else { return Ok(()) };
+        let s = &mut self.slots[slot];
+        if s.pending.is_empty() {
+            s.pending_pos0 = pos0;
+        }
+        debug_assert_eq!(s.pending_pos0 + s.pending.len() / drafter.feature_width(), pos0);
+        self.target.append_features(rows, &mut s.pending)?;
+        Ok(())
+    }
+
+    /// Inject the features queued for `slot` into the drafter's cache.
+    fn flush_features(&mut self, slot: usize) -> Result<()> {
         if let Some(drafter) = self.drafter.as_mut() {
-            if !self.pending.is_empty() {
-                drafter.inject(&self.pending, self.pending_pos0)?;
-                self.pending.clear();
+            let s = &mut self.slots[slot];
+            if !s.pending.is_empty() {
+                drafter.inject(&s.pending, s.pending_pos0, slot as i32)?;
+                s.pending.clear();
             }
         }
         Ok(())
@@ -680,20 +809,22 @@ impl Engine {
 
     /// Time target decodes of the batch sizes a cycle may verify, so the first cycles
     /// already choose their length from this machine's costs. The cells are removed again.
-    fn calibrate(&mut self, max_batch: usize) -> Result<()> {
-        let pos0 = self.cached.len();
+    fn calibrate(&mut self, slot: usize, max_batch: usize) -> Result<()> {
+        let pos0 = self.slots[slot].cached.len();
         let max_batch = max_batch.min(self.batch.capacity()).min(self.n_ctx().saturating_sub(pos0));
         if self.cost.is_calibrated(max_batch) || max_batch < 2 {
             return Ok(());
         }
-        let token = *self.cached.last().expect("calibration runs after the prompt");
-        let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2)).take_while(|&b| b < max_batch).collect();
+        let token = *self.slots[slot].cached.last().expect("calibration runs after the prompt");
+        let seq = slot as i32;
+        let mut sizes: Vec<usize> =
+            std::iter::successors(Some(1usize), |b| Some(b * 2)).take_while(|&b| b < max_batch).collect();
         sizes.push(max_batch);
         for &b in &sizes {
             for rep in 0..2 {
                 self.batch.clear();
                 for i in 0..b {
-                    self.batch.add_token(token, (pos0 + i) as i32, &[0], true)?;
+                    self.batch.add_token(token, (pos0 + i) as i32, &[seq], true)?;
                 }
                 let t = Instant::now();
                 self.target.decode(&self.batch, "cost calibration")?;
@@ -701,51 +832,63 @@ impl Engine {
                 if rep == 1 {
                     self.cost.record_verify(b, ms_since(t));
                 }
-                self.target.seq_rm(0, pos0 as i32, -1)?;
+                self.target.seq_rm(seq, pos0 as i32, -1)?;
             }
         }
         Ok(())
     }
 
-    fn truncate_cache(&mut self, keep: usize) -> Result<()> {
-        if keep < self.cached.len() || keep == 0 {
-            self.target.seq_rm(0, keep as i32, -1)?;
+    fn truncate_cache(&mut self, slot: usize, keep: usize) -> Result<()> {
+        let seq = slot as i32;
+        let s = &mut self.slots[slot];
+        if keep < s.cached.len() || keep == 0 {
+            self.target.seq_rm(seq, keep as i32, -1)?;
             if let Some(d) = self.drafter.as_mut() {
-                d.truncate(keep)?;
-                let queued_keep = keep.saturating_sub(self.pending_pos0) * d.feature_width();
-                self.pending.truncate(queued_keep);
+                d.truncate(seq, keep)?;
+                let queued_keep = keep.saturating_sub(s.pending_pos0) * d.feature_width();
+                s.pending.truncate(queued_keep);
             }
-            self.cached.truncate(keep);
+            s.cached.truncate(keep);
         }
         Ok(())
     }
 
-    /// Tokens held in the cache (prompt and committed output, the last token excluded).
-    pub fn cached_tokens(&self) -> &[Token] {
-        &self.cached
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.slots.len() {
+            return Err(EngineError::Config(format!("slot {slot} does not exist ({} slots)", self.slots.len())));
+        }
+        Ok(())
     }
 
-    /// Cache positions held by the target and the drafter, counting features queued for
-    /// the drafter (both must equal `cached_tokens().len()`).
+    /// Tokens held in the cache of slot 0 (prompt and committed output, the last token excluded).
+    pub fn cached_tokens(&self) -> &[Token] {
+        self.cached_tokens_in(0)
+    }
+
+    pub fn cached_tokens_in(&self, slot: usize) -> &[Token] {
+        &self.slots[slot].cached
+    }
+
+    /// Cache positions of slot 0 held by the target and the drafter (see [`Engine::cache_extents_in`]).
     pub fn cache_extents(&self) -> (usize, Option<usize>) {
+        self.cache_extents_in(0)
+    }
+
+    /// Cache positions of `slot` held by the target and the drafter, counting features
+    /// queued for the drafter (both must equal `cached_tokens_in(slot).len()`).
+    pub fn cache_extents_in(&self, slot: usize) -> (usize, Option<usize>) {
+        let seq = slot as i32;
+        let s = &self.slots[slot];
         let drafter = self.drafter.as_ref().map(|d| {
-            let queued = self.pending.len() / d.feature_width();
+            let queued = s.pending.len() / d.feature_width();
             if queued > 0 {
-                debug_assert_eq!(d.cached_len(), self.pending_pos0);
-                self.pending_pos0 + queued
+                debug_assert_eq!(d.cached_len(seq), s.pending_pos0);
+                s.pending_pos0 + queued
             } else {
-                d.cached_len()
+                d.cached_len(seq)
             }
         });
-        ((self.target.seq_pos_max(0) + 1) as usize, drafter)
-    }
-}
-
-fn select(opts: &GenerateOptions, lattice: &lattice::Lattice, max_draft: usize) -> DraftTree {
-    match opts.select {
-        SelectMode::None | SelectMode::Greedy => Greedy.select(lattice, max_draft),
-        SelectMode::BestPath => BestPath.select(lattice, max_draft),
-        SelectMode::Tree => TreeBestFirst.select(lattice, opts.tree_budget),
+        ((self.target.seq_pos_max(seq) + 1) as usize, drafter)
     }
 }
 
@@ -787,6 +930,7 @@ fn ms_since(t: Instant) -> f64 {
 
 /// One generation in progress: its options, sampler, output and statistics.
 pub struct Run {
+    slot: usize,
     opts: GenerateOptions,
     sampler: Sampler,
     stats: Stats,
@@ -799,6 +943,11 @@ pub struct Run {
 }
 
 impl Run {
+    /// The engine slot (cache sequence) this generation runs in.
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+
     /// Why the generation ended, once it has.
     pub fn finish(&self) -> Option<FinishReason> {
         self.finish

@@ -157,3 +157,55 @@ fn generation_stops_at_the_end_of_the_context() {
         assert_eq!(prompt.len() + g.tokens.len(), e.n_ctx() + 1, "the last token is committed but never decoded");
     }
 }
+
+/// Several conversations decoded together: each cycle drafts all their blocks in one
+/// drafter decode and verifies them in one target decode. Runs join and leave between
+/// cycles; every output still equals plain decoding of that prompt alone.
+#[test]
+fn batched_slots_equal_plain_decoding_run_alone() {
+    let dir = synth_dir();
+    let target = load(&dir.join("target.gguf"));
+    let prompts = tokenize(&target, &common::PROMPTS[..12]);
+    let mut plain = engine(&target, None);
+    let n_predict = |i: usize| 12 + 5 * (i % 4);
+    let baseline: Vec<Vec<Token>> =
+        prompts.iter().enumerate().map(|(i, p)| generate(&mut plain, p, SelectMode::None, 1, n_predict(i)).tokens).collect();
+
+    for drafter_file in ["drafter-dflash1.gguf", "drafter-dflash2.gguf"] {
+        let drafter = load(&dir.join(drafter_file));
+        let mut cfg = EngineConfig::new(PathBuf::new(), None);
+        cfg.n_ctx = 1024;
+        cfg.n_threads = 2;
+        cfg.n_slots = 4;
+        let mut e = Engine::from_models(target.clone(), Some(drafter), &cfg).unwrap();
+        let mut queue: std::collections::VecDeque<usize> = (0..prompts.len()).collect();
+        let mut active: Vec<(usize, dflash2::engine::Run)> = Vec::new();
+        let mut done = 0;
+        let mut max_together = 0;
+        while done < prompts.len() {
+            // Fill free slots between cycles.
+            while active.len() < e.n_slots() {
+                let Some(i) = queue.pop_front() else { break };
+                let slot = (0..e.n_slots()).find(|s| active.iter().all(|(_, r)| r.slot() != *s)).unwrap();
+                let select = [SelectMode::Greedy, SelectMode::BestPath, SelectMode::Tree][i % 3];
+                let opts = GenerateOptions { n_predict: n_predict(i), select, block: 2 + i % 7, ..Default::default() };
+                active.push((i, e.start_in(slot, &prompts[i], &opts).unwrap()));
+            }
+            max_together = max_together.max(active.len());
+            let mut runs: Vec<&mut dflash2::engine::Run> = active.iter_mut().map(|(_, r)| r).collect();
+            e.step_all(&mut runs).unwrap();
+            active.retain(|(i, r)| {
+                if r.finish().is_none() {
+                    return true;
+                }
+                assert_eq!(r.tokens(), &baseline[*i][..], "{drafter_file}, prompt {i}: batched output differs");
+                let slot = r.slot();
+                let (t, d) = e.cache_extents_in(slot);
+                assert_eq!((t, d), (e.cached_tokens_in(slot).len(), Some(e.cached_tokens_in(slot).len())));
+                done += 1;
+                false
+            });
+        }
+        assert_eq!(max_together, 4, "the slots never ran together");
+    }
+}

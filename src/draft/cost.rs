@@ -41,8 +41,9 @@ pub struct CostModel {
     /// Per depth k (1-based at index k-1): observed / predicted acceptance to depth k.
     observed: Vec<Ema>,
     predicted: Vec<Ema>,
-    /// Realised tokens per millisecond of speculative cycles.
-    spec_rate: Ema,
+    /// Realised speed of speculative cycles relative to plain decoding of the same
+    /// number of sequences (above 1: drafting pays).
+    spec_gain: Ema,
     /// Plain steps left before the next probe, and the current interval.
     plain_left: usize,
     probe_interval: usize,
@@ -118,17 +119,20 @@ impl CostModel {
         }
     }
 
-    /// Record a whole speculative cycle: `tokens` committed in `ms`.
-    pub fn record_cycle(&mut self, tokens: usize, ms: f64) {
-        self.spec_rate.add(tokens as f64 / ms.max(1e-3));
+    /// Record a whole speculative cycle: `tokens` committed for `n_seqs` sequences in `ms`.
+    pub fn record_cycle(&mut self, tokens: usize, n_seqs: usize, ms: f64) {
+        if let Some(plain) = self.verify_cost(n_seqs) {
+            let plain_rate = n_seqs as f64 / plain;
+            self.spec_gain.add(tokens as f64 / ms.max(1e-3) / plain_rate);
+        }
     }
 
     /// Whether the next cycle should draft. Drafting continues while its realised rate
     /// beats plain decoding; otherwise plain steps run, with a probe after an interval
     /// that doubles each time the probe does not pay.
     pub fn should_draft(&mut self) -> bool {
-        let (Some(rate), Some(plain)) = (self.spec_rate.get(), self.verify_cost(1)) else { return true };
-        if rate >= 1.0 / plain {
+        let Some(gain) = self.spec_gain.get() else { return true };
+        if gain >= 1.0 {
             self.probe_interval = 0;
             return true;
         }
@@ -226,13 +230,13 @@ mod tests {
     #[test]
     fn a_drafter_that_does_not_pay_is_probed_with_growing_intervals() {
         let mut m = model(&[(1, 10.0)]);
-        m.record_cycle(1, 30.0); // 1 token in 30 ms: worse than 1 in 10 ms
+        m.record_cycle(1, 1, 30.0); // 1 token in 30 ms: worse than 1 in 10 ms
         let pattern: Vec<bool> = (0..40).map(|_| m.should_draft()).collect();
         let probes: Vec<usize> = pattern.iter().enumerate().filter(|(_, &d)| d).map(|(i, _)| i).collect();
         assert_eq!(probes, vec![0, 5, 14, 31]);
-        m.record_cycle(10, 30.0);
-        m.record_cycle(10, 30.0);
-        m.record_cycle(10, 30.0);
+        m.record_cycle(10, 1, 30.0);
+        m.record_cycle(10, 1, 30.0);
+        m.record_cycle(10, 1, 30.0);
         assert!(m.should_draft() && m.should_draft(), "a paying drafter drafts every cycle");
     }
 }

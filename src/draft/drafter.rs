@@ -23,7 +23,8 @@ pub struct Drafter {
 impl Drafter {
     /// Create the drafter's context next to the target's (it borrows the target's
     /// embeddings and output head through it).
-    pub fn new(model: Arc<Model>, target: &Context, n_threads: i32) -> Result<Self> {
+    /// `n_seqs` conversations can draft side by side (sequence ids `0..n_seqs`).
+    pub fn new(model: Arc<Model>, target: &Context, n_seqs: usize, n_threads: i32) -> Result<Self> {
         let mask = model.mask_token().ok_or_else(|| {
             LlamaError::Invalid(format!("drafter {} has no mask token (tokenizer.ggml.mask_token_id)", model.path()))
         })?;
@@ -31,17 +32,20 @@ impl Drafter {
         if n_layers == 0 {
             return Err(LlamaError::Invalid(format!("{} lists no target layers", model.path())));
         }
-        let trained_block = model.meta("dflash.block_size").and_then(|v| v.parse().ok()).unwrap_or(16usize);
+        let trained_block = model.dflash_block_size().unwrap_or(16);
         let causal = model.meta("dflash.attention.causal").is_some_and(|v| v == "true");
         let k = model.selector_top_k();
         let selector_k = (k > 0).then_some(k);
-        let n_batch = target.n_batch().max(trained_block);
+        let n_batch = target.n_batch().max(trained_block * n_seqs);
         let params = ContextParams {
-            n_ctx: target.n_ctx(),
+            n_ctx: target.n_ctx_per_seq() * n_seqs,
             n_batch,
-            n_seq_max: 1,
+            n_seq_max: n_seqs,
             n_threads,
             features: FeatureSource::None,
+            // Its blocks of all sequences go through one decode; numerics of the drafter
+            // do not affect what is generated.
+            kv_unified: true,
         };
         let feature_width = n_layers * target.model().n_embd();
         let mut ctx = Context::new(model, &params, Some(target))?;
@@ -56,7 +60,7 @@ impl Drafter {
             mask,
             feature_width,
             inject_batch: Batch::embeddings(n_batch, feature_width),
-            block_batch: Batch::tokens(trained_block, 1),
+            block_batch: Batch::tokens(trained_block * n_seqs, 1),
         })
     }
 
@@ -72,9 +76,9 @@ impl Drafter {
         self.feature_width
     }
 
-    /// Write the target features of consecutive positions `pos0..` into the drafter's
-    /// cache (`features` holds whole rows of `feature_width` floats).
-    pub fn inject(&mut self, features: &[f32], pos0: usize) -> Result<()> {
+    /// Write the target features of consecutive positions `pos0..` of sequence `seq` into
+    /// the drafter's cache (`features` holds whole rows of `feature_width` floats).
+    pub fn inject(&mut self, features: &[f32], pos0: usize, seq: i32) -> Result<()> {
         let w = self.feature_width;
         if features.len() % w != 0 {
             return Err(LlamaError::Invalid(format!("{} feature floats is not a whole number of rows", features.len())));
@@ -84,50 +88,62 @@ impl Drafter {
             self.inject_batch.clear();
             let base = pos0 + c * self.inject_batch.capacity();
             for (i, row) in chunk.iter().enumerate() {
-                self.inject_batch.add_embedding(row, (base + i) as i32, 0, false)?;
+                self.inject_batch.add_embedding(row, (base + i) as i32, seq, false)?;
             }
             self.ctx.decode(&self.inject_batch, "drafter feature injection")?;
         }
         Ok(())
     }
 
-    /// Draft `n_block - 1` positions after `last` (which sits at position `pos0`) in one
-    /// decode, and return their candidate lattice. The block's cache cells are removed
-    /// again: only injected target features stay in the drafter's cache.
-    pub fn draft(&mut self, last: Token, pos0: usize, n_block: usize) -> Result<Lattice> {
+    /// Draft `n_block - 1` positions after each block's anchor, all blocks in one decode
+    /// (`blocks`: anchor token, its position, its sequence), and return one candidate
+    /// lattice per block. The blocks' cache cells are removed again: only injected target
+    /// features stay in the drafter's cache.
+    pub fn draft(&mut self, blocks: &[(Token, usize, i32)], n_block: usize) -> Result<Vec<Lattice>> {
         let n_block = n_block.clamp(2, self.trained_block);
         self.block_batch.clear();
-        for i in 0..n_block {
-            let token = if i == 0 { last } else { self.mask };
-            // DFlash 1 needs the logits of the mask rows; DFlash 2 outputs its lattice
-            // for every row regardless and never needs the raw logits.
-            let output = self.selector_k.is_none() && i > 0;
-            self.block_batch.add_token(token, (pos0 + i) as i32, &[0], output)?;
+        for &(last, pos0, seq) in blocks {
+            for i in 0..n_block {
+                let token = if i == 0 { last } else { self.mask };
+                // DFlash 1 needs the logits of the mask rows; DFlash 2 outputs its lattice
+                // for every row regardless and never needs the raw logits.
+                let output = self.selector_k.is_none() && i > 0;
+                self.block_batch.add_token(token, (pos0 + i) as i32, &[seq], output)?;
+            }
         }
         let decoded = self.ctx.decode(&self.block_batch, "drafter block");
-        // Whatever happened, the block must not stay in the cache.
-        self.ctx.seq_rm(0, pos0 as i32, -1)?;
-        decoded?;
-        match self.selector_k {
-            Some(k) => {
-                let rows = self.ctx.nextn()?;
-                Lattice::from_dflash2_rows(rows, self.ctx.model().n_embd(), k, n_block)
-                    .ok_or_else(|| LlamaError::Invalid("malformed DFlash 2 lattice".into()))
-            }
-            None => {
-                let logits: Vec<&[f32]> = (1..n_block).map(|i| self.ctx.logits(i)).collect::<Result<_>>()?;
-                Ok(Lattice::from_position_logits(logits.into_iter(), DFLASH1_TOP_K))
-            }
+        // Whatever happened, the blocks must not stay in the cache.
+        for &(_, pos0, seq) in blocks {
+            self.ctx.seq_rm(seq, pos0 as i32, -1)?;
         }
+        decoded?;
+        let row_stride = self.ctx.model().n_embd();
+        (0..blocks.len())
+            .map(|b| {
+                let first = b * n_block;
+                match self.selector_k {
+                    Some(k) => {
+                        let rows = &self.ctx.nextn()?[first * row_stride..(first + n_block) * row_stride];
+                        Lattice::from_dflash2_rows(rows, row_stride, k, n_block)
+                            .ok_or_else(|| LlamaError::Invalid("malformed DFlash 2 lattice".into()))
+                    }
+                    None => {
+                        let logits: Vec<&[f32]> =
+                            (first + 1..first + n_block).map(|i| self.ctx.logits(i)).collect::<Result<_>>()?;
+                        Ok(Lattice::from_position_logits(logits.into_iter(), DFLASH1_TOP_K))
+                    }
+                }
+            })
+            .collect()
     }
 
-    /// Forget everything from position `pos` on.
-    pub fn truncate(&mut self, pos: usize) -> Result<()> {
-        self.ctx.seq_rm(0, pos as i32, -1)
+    /// Forget everything of sequence `seq` from position `pos` on.
+    pub fn truncate(&mut self, seq: i32, pos: usize) -> Result<()> {
+        self.ctx.seq_rm(seq, pos as i32, -1)
     }
 
-    /// Positions held in the drafter cache (for consistency checks).
-    pub fn cached_len(&self) -> usize {
-        (self.ctx.seq_pos_max(0) + 1) as usize
+    /// Positions held in the drafter cache for `seq` (for consistency checks).
+    pub fn cached_len(&self, seq: i32) -> usize {
+        (self.ctx.seq_pos_max(seq) + 1) as usize
     }
 }

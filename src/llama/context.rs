@@ -31,6 +31,9 @@ pub struct ContextParams {
     pub n_seq_max: usize,
     pub n_threads: i32,
     pub features: FeatureSource,
+    /// One cache shared by all sequences (cells may belong to several: token trees).
+    /// Otherwise each sequence gets its own stream of `n_ctx / n_seq_max` cells.
+    pub kv_unified: bool,
 }
 
 /// The raw context plus what must outlive it (its model, the capture state the
@@ -59,6 +62,8 @@ impl Drop for CaptureBox {
 
 pub struct Context {
     h: Arc<Handle>,
+    kv_unified: bool,
+    n_seq_max: usize,
     model: Arc<Model>,
     features: FeatureSource,
     n_ctx: usize,
@@ -79,8 +84,7 @@ impl Context {
         cp.n_batch = params.n_batch as u32;
         cp.n_ubatch = params.n_batch as u32;
         cp.n_seq_max = params.n_seq_max.max(1) as u32;
-        // One cache shared by all sequences: otherwise llama.cpp splits n_ctx among them.
-        cp.kv_unified = true;
+        cp.kv_unified = params.kv_unified;
         // llama.cpp reserves at least one output row per sequence and by default allows
         // only n_batch (which it clamps to n_ctx): room for both.
         cp.n_outputs_max = params.n_batch.max(params.n_seq_max) as u32;
@@ -115,7 +119,16 @@ impl Context {
         let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) } as usize;
         let n_batch = unsafe { sys::llama_n_batch(ptr.as_ptr()) } as usize;
         let h = Arc::new(Handle { ptr, capture, _other: other.map(|o| o.h.clone()), _model: model.clone() });
-        Ok(Self { h, model, features: params.features.clone(), n_ctx, n_batch, last_batch_len: 0 })
+        Ok(Self {
+            h,
+            kv_unified: params.kv_unified,
+            n_seq_max: params.n_seq_max.max(1),
+            model,
+            features: params.features.clone(),
+            n_ctx,
+            n_batch,
+            last_batch_len: 0,
+        })
     }
 
     fn ptr(&self) -> *mut sys::llama_context {
@@ -126,8 +139,18 @@ impl Context {
         &self.model
     }
 
+    /// Cells of the whole cache.
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+
+    /// Positions one sequence can hold (its stream's size when streams are separate).
+    pub fn n_ctx_per_seq(&self) -> usize {
+        if self.kv_unified {
+            self.n_ctx
+        } else {
+            self.n_ctx / self.n_seq_max
+        }
     }
 
     pub fn n_batch(&self) -> usize {

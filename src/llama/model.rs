@@ -125,6 +125,11 @@ impl Model {
         }
     }
 
+    /// Block size a DFlash drafter was trained with (`dflash.block_size`).
+    pub fn dflash_block_size(&self) -> Option<usize> {
+        self.meta("dflash.block_size")?.parse().ok()
+    }
+
     /// K of the DFlash 2 selector; 0 for a DFlash 1 drafter or a non-drafter.
     pub fn selector_top_k(&self) -> usize {
         unsafe { shim::dflash2_model_selector_top_k(self.as_ptr()).max(0) as usize }

@@ -37,10 +37,6 @@ impl Metrics {
         Busy(self)
     }
 
-    pub fn in_flight(&self) -> u64 {
-        self.busy.load(Relaxed)
-    }
-
     pub fn record(&self, g: &Generation) {
         let s = &g.stats;
         let done = if g.finish == FinishReason::Cancelled { &self.cancelled } else { &self.finished };
@@ -70,18 +66,53 @@ impl Metrics {
         let predicted_s = get(&self.predicted_us) as f64 / 1e6;
         let rows: [(&str, &str, &str, f64); 16] = [
             ("requests_finished_total", "counter", "Generations that ran to the end.", get(&self.finished) as f64),
-            ("requests_cancelled_total", "counter", "Generations stopped because the client left.", get(&self.cancelled) as f64),
+            (
+                "requests_cancelled_total",
+                "counter",
+                "Generations stopped because the client left.",
+                get(&self.cancelled) as f64,
+            ),
             ("requests_failed_total", "counter", "Generations that ended in an error.", get(&self.failed) as f64),
-            ("requests_rejected_total", "counter", "Requests refused with 503 (slots and queue full).", get(&self.rejected) as f64),
-            ("prompt_tokens_total", "counter", "Prompt tokens decoded (cached prefixes excluded).", get(&self.prompt_tokens) as f64),
+            (
+                "requests_rejected_total",
+                "counter",
+                "Requests refused with 503 (slots and queue full).",
+                get(&self.rejected) as f64,
+            ),
+            (
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens decoded (cached prefixes excluded).",
+                get(&self.prompt_tokens) as f64,
+            ),
             ("tokens_predicted_total", "counter", "Tokens generated.", get(&self.predicted_tokens) as f64),
             ("draft_tokens_total", "counter", "Tokens drafted.", get(&self.drafted) as f64),
-            ("draft_tokens_accepted_total", "counter", "Drafted tokens the target accepted.", get(&self.draft_accepted) as f64),
+            (
+                "draft_tokens_accepted_total",
+                "counter",
+                "Drafted tokens the target accepted.",
+                get(&self.draft_accepted) as f64,
+            ),
             ("cycles_total", "counter", "Target verify decodes.", get(&self.cycles) as f64),
-            ("tau", "gauge", "Mean tokens committed per target verify, bonus included.", ratio(get(&self.cycle_tokens), get(&self.cycles))),
-            ("draft_acceptance_ratio", "gauge", "Accepted over drafted tokens.", ratio(get(&self.draft_accepted), get(&self.drafted))),
+            (
+                "tau",
+                "gauge",
+                "Mean tokens committed per target verify, bonus included.",
+                ratio(get(&self.cycle_tokens), get(&self.cycles)),
+            ),
+            (
+                "draft_acceptance_ratio",
+                "gauge",
+                "Accepted over drafted tokens.",
+                ratio(get(&self.draft_accepted), get(&self.drafted)),
+            ),
             ("prompt_seconds_total", "counter", "Time spent on prompts.", get(&self.prompt_us) as f64 / 1e6),
-            ("predicted_tokens_seconds", "gauge", "Generation speed of one slot: tokens generated per second generating.", if predicted_s > 0.0 { get(&self.predicted_tokens) as f64 / predicted_s } else { 0.0 }),
+            (
+                "predicted_tokens_seconds",
+                "gauge",
+                "Generation speed of one slot: tokens generated per second generating.",
+                if predicted_s > 0.0 { get(&self.predicted_tokens) as f64 / predicted_s } else { 0.0 },
+            ),
             ("requests_queued", "gauge", "Requests waiting for a slot.", queued as f64),
             ("requests_in_flight", "gauge", "Slots generating now.", get(&self.busy) as f64),
             ("slots", "gauge", "Generation slots (--parallel).", slots as f64),

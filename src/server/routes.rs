@@ -144,7 +144,7 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 pub async fn chat(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
     known_model(&s, req.model.as_deref())?;
     one_choice(req.n)?;
-    let opts = options(&s, req.sampling, req.max_completion_tokens.or(req.max_tokens))?;
+    let opts = options(&s, req.sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     let messages = chat_messages(req.messages)?;
     let model = s.model.clone();
     let prompt = blocking(move || model.tokenize(&model.apply_chat_template(&messages, true)?, true, true)).await?;
@@ -156,7 +156,7 @@ pub async fn chat(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Resul
 pub async fn completions(State(s): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
     known_model(&s, req.model.as_deref())?;
     one_choice(req.n)?;
-    let opts = options(&s, req.sampling, req.max_tokens)?;
+    let opts = options(&s, req.sampling, req.max_tokens, "max_tokens")?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage });
@@ -168,7 +168,7 @@ pub async fn llama_completion(
     ApiJson(req): ApiJson<LlamaCompletionRequest>,
 ) -> Result<Response, ApiError> {
     // -1 is llama-server's "no limit": up to the end of the context.
-    let opts = options(&s, req.sampling, req.n_predict.filter(|&n| n != -1))?;
+    let opts = options(&s, req.sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone(), model: s.model.clone() };
     generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), req.stream.unwrap_or(false)).await
@@ -208,20 +208,28 @@ fn known_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 
 fn one_choice(n: Option<i64>) -> Result<(), ApiError> {
     match n {
-        Some(n) if n != 1 => Err(ApiError::InvalidRequest(format!("`n` = {n}: only one choice per request is supported"))),
+        Some(n) if n != 1 => {
+            Err(ApiError::InvalidRequest(format!("`n` = {n}: only one choice per request is supported")))
+        }
         _ => Ok(()),
     }
 }
 
 /// The request's generation options over the server's defaults, each value range-checked.
-/// `max_tokens` absent means: until the end of generation or of the context.
-fn options(s: &AppState, f: SamplingFields, max_tokens: Option<i64>) -> Result<GenerateOptions, ApiError> {
+/// No `max_tokens` (named `max_name` in the request) means: until the end of generation or of
+/// the context.
+fn options(
+    s: &AppState,
+    f: SamplingFields,
+    max_tokens: Option<i64>,
+    max_name: &str,
+) -> Result<GenerateOptions, ApiError> {
     let n_ctx = s.n_ctx();
     let d = &s.defaults.sampling;
     let n_predict = match max_tokens {
         None => n_ctx,
         Some(n) if (1..=n_ctx as i64).contains(&n) => n as usize,
-        Some(n) => return Err(invalid(format!("`max_tokens` must be between 1 and {n_ctx} (the context), got {n}"))),
+        Some(n) => return Err(invalid(format!("`{max_name}` must be between 1 and {n_ctx} (the context), got {n}"))),
     };
     let unit = |name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32| match v {
         None => Ok(default),
@@ -276,7 +284,9 @@ fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiEr
                     .into_iter()
                     .map(|p| match (p.kind.as_str(), p.text) {
                         ("text", Some(t)) => Ok(t),
-                        (kind, _) => Err(invalid(format!("content parts of type `{kind}` are not supported: the model reads text"))),
+                        (kind, _) => Err(invalid(format!(
+                            "content parts of type `{kind}` are not supported: the model reads text"
+                        ))),
                     })
                     .collect::<Result<String, _>>()?,
             };
@@ -338,7 +348,12 @@ struct Reply {
 
 impl Reply {
     fn new(s: &AppState, prefix: &str, shape: Shape) -> Self {
-        Self { shape, id: format!("{prefix}-{:016x}", rand::random::<u64>()), created: now(), model: s.model_id.clone() }
+        Self {
+            shape,
+            id: format!("{prefix}-{:016x}", rand::random::<u64>()),
+            created: now(),
+            model: s.model_id.clone(),
+        }
     }
 
     fn whole(&self, g: &Generation) -> Response {
@@ -369,7 +384,9 @@ impl Reply {
         let body = stream::unfold((events, Some(self)), |(mut events, reply)| async move {
             let reply = reply?; // gone after the last event
             let (out, reply) = match events.recv().await {
-                Some(GenEvent::Tokens { tokens, text }) => (reply.piece(tokens, text).into_iter().collect(), Some(reply)),
+                Some(GenEvent::Tokens { tokens, text }) => {
+                    (reply.piece(tokens, text).into_iter().collect(), Some(reply))
+                }
                 Some(GenEvent::Done(g)) => (reply.tail(&g), None),
                 Some(GenEvent::Error(e)) => (reply.failure(ApiError::Internal(e)), None),
                 None => (reply.failure(ApiError::Internal("the generation ended without a result".into())), None),
@@ -401,7 +418,11 @@ impl Reply {
                 let mut out = vec![event(&self.chat_delta(None, None, reason, timings))];
                 if *include_usage {
                     let usage = Some(Usage::from(g));
-                    out.push(event(&ChatCompletion { choices: Vec::new(), usage, ..self.chat_delta(None, None, None, None) }));
+                    out.push(event(&ChatCompletion {
+                        choices: Vec::new(),
+                        usage,
+                        ..self.chat_delta(None, None, None, None)
+                    }));
                 }
                 out.push(done());
                 out

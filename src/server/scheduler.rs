@@ -27,7 +27,10 @@ pub struct GenRequest {
 pub enum GenEvent {
     /// Tokens committed by one cycle and the text they release: whole UTF-8 characters
     /// only, never a possible beginning of a stop string (held back until resolved).
-    Tokens { tokens: Vec<Token>, text: String },
+    Tokens {
+        tokens: Vec<Token>,
+        text: String,
+    },
     Done(Generation),
     Error(String),
 }
@@ -82,13 +85,11 @@ impl Scheduler {
         let mut workers = Vec::with_capacity(slots);
         for slot in 0..slots {
             let (models, rx, metrics, ready) = (models.clone(), rx.clone(), metrics.clone(), ready_tx.clone());
-            let worker = std::thread::Builder::new()
-                .name(format!("dflash2-slot-{slot}"))
-                .spawn(move || {
-                    if let Some(worker) = Worker::build(slot, models, metrics, ready) {
-                        worker.serve(&rx);
-                    }
-                })?;
+            let worker = std::thread::Builder::new().name(format!("dflash2-slot-{slot}")).spawn(move || {
+                if let Some(worker) = Worker::build(slot, models, metrics, ready) {
+                    worker.serve(&rx);
+                }
+            })?;
             workers.push(worker);
         }
         drop(ready_tx);

@@ -1,0 +1,214 @@
+//! `dflash2 chat`: an interactive conversation, kept in the engine's cache between turns.
+//!
+//! Each turn renders the whole conversation with the target's chat template; the engine
+//! reuses the cached prefix, so only the new turn is decoded.
+use crate::capi::Utf8Stream;
+use crate::engine::{self, Engine, EngineConfig, FeatureMode, FinishReason, GenerateOptions, SelectMode, Stats};
+use crate::llama::ChatMessage;
+use rustyline::error::ReadlineError;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    /// Target model (GGUF).
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// DFlash / DFlash 2 drafter (GGUF); without it decoding is plain.
+    #[arg(short = 'd', long = "drafter")]
+    pub drafter: Option<PathBuf>,
+    /// System message opening the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Tokens to generate at most per reply.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 1024)]
+    pub n_predict: usize,
+    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
+    /// to choose each cycle's length from measured costs (up to the trained block size).
+    #[arg(long, default_value = "auto")]
+    pub block: super::BlockArg,
+    /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
+    #[arg(long, value_enum, default_value_t = SelectMode::Greedy)]
+    pub select: SelectMode,
+    /// Node budget of a token tree (`--select tree`).
+    #[arg(long, default_value_t = 32)]
+    pub tree_budget: usize,
+    /// CPU threads.
+    #[arg(short = 't', long = "threads", default_value_t = engine::default_threads())]
+    pub threads: i32,
+    /// Context size in tokens: the whole conversation must fit.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Layers to offload to a GPU (GPU builds only).
+    #[arg(long = "gpu-layers", default_value_t = 999)]
+    pub gpu_layers: i32,
+    /// Where the target's layer inputs come from.
+    #[arg(long, value_enum, default_value_t = FeatureMode::Auto)]
+    pub features: FeatureMode,
+    #[command(flatten)]
+    pub sampling: super::SamplingArgs,
+}
+
+pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
+    let drafter = if args.select == SelectMode::None { None } else { args.drafter.clone() };
+    if args.select != SelectMode::None && drafter.is_none() {
+        anyhow::bail!("--select {:?} needs a drafter (-d DRAFTER.gguf), or use --select none", args.select);
+    }
+    let mut cfg = EngineConfig::new(args.model.clone(), drafter);
+    cfg.n_ctx = args.ctx_size;
+    cfg.n_threads = args.threads;
+    cfg.n_gpu_layers = args.gpu_layers;
+    cfg.features = args.features;
+
+    let spinner = super::loading_spinner("models");
+    let engine = Engine::load(&cfg);
+    spinner.finish_and_clear();
+    let engine = engine?;
+    if engine.model().chat_template().is_none() {
+        anyhow::bail!("{} has no chat template: use `dflash2 generate` for plain completions", args.model.display());
+    }
+
+    let trained = engine.drafter().map_or(1, |d| d.trained_block());
+    let (block, adaptive) = args.block.resolve(trained);
+    if args.select != SelectMode::None && block < 2 {
+        anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
+    }
+    let opts = GenerateOptions {
+        n_predict: args.n_predict,
+        select: args.select,
+        block,
+        adaptive,
+        tree_budget: args.tree_budget,
+        sampling: args.sampling.params(),
+        ..Default::default()
+    };
+
+    // Ctrl-C during a reply stops the reply; at the prompt the terminal is in raw mode, so
+    // rustyline reads it as a key instead and no signal arrives.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
+
+    let mut chat = Chat { engine, opts, system: args.system.clone(), messages: Vec::new(), last: None };
+    chat.reset()?;
+    let mut editor = rustyline::DefaultEditor::new()?;
+    eprintln!("dflash2 chat: /reset forgets the conversation, /stats shows the last reply's statistics, /quit leaves");
+    eprintln!("(Ctrl-C stops a reply, Ctrl-D leaves)");
+    loop {
+        let line = match editor.readline("> ") {
+            Ok(line) => line,
+            Err(ReadlineError::Interrupted) => continue,
+            Err(ReadlineError::Eof) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        editor.add_history_entry(line)?;
+        match line {
+            "/quit" | "/exit" => return Ok(()),
+            "/reset" => {
+                chat.reset()?;
+                eprintln!("(conversation forgotten)");
+            }
+            "/stats" => chat.print_stats(),
+            cmd if cmd.starts_with('/') => eprintln!("unknown command {cmd}: /reset, /stats or /quit"),
+            text => {
+                interrupted.store(false, Ordering::SeqCst);
+                if let Err(e) = chat.reply(text, &interrupted) {
+                    eprintln!("error: {e:#}");
+                }
+            }
+        }
+    }
+}
+
+struct Chat {
+    engine: Engine,
+    opts: GenerateOptions,
+    system: Option<String>,
+    messages: Vec<ChatMessage>,
+    last: Option<(Stats, FinishReason)>,
+}
+
+impl Chat {
+    fn reset(&mut self) -> anyhow::Result<()> {
+        self.engine.reset()?;
+        self.messages.clear();
+        if let Some(s) = &self.system {
+            self.messages.push(ChatMessage { role: "system".into(), content: s.clone() });
+        }
+        self.last = None;
+        Ok(())
+    }
+
+    /// Answer `text`, streaming the reply; a failed turn leaves the conversation as it was.
+    fn reply(&mut self, text: &str, interrupted: &AtomicBool) -> anyhow::Result<()> {
+        self.messages.push(ChatMessage { role: "user".into(), content: text.into() });
+        let answer = self.generate(interrupted);
+        if answer.is_err() {
+            self.messages.pop();
+        }
+        let answer = answer?;
+        self.messages.push(ChatMessage { role: "assistant".into(), content: answer });
+        Ok(())
+    }
+
+    fn generate(&mut self, interrupted: &AtomicBool) -> anyhow::Result<String> {
+        let model = self.engine.model().clone();
+        let rendered = model.apply_chat_template(&self.messages, true)?;
+        let prompt = model.tokenize(&rendered, true, true)?;
+        let mut stdout = std::io::stdout().lock();
+        let mut utf8 = Utf8Stream::default();
+        let gen = self.engine.generate(&prompt, &self.opts, |tokens| {
+            let bytes: Vec<u8> = tokens.iter().flat_map(|&t| model.token_bytes(t, false)).collect();
+            let _ = stdout.write_all(utf8.push(&bytes).as_bytes());
+            let _ = stdout.flush();
+            !interrupted.load(Ordering::SeqCst)
+        })?;
+        writeln!(stdout, "{}", utf8.finish())?;
+        let s = &gen.stats;
+        let note = match gen.finish {
+            FinishReason::Cancelled => ", stopped",
+            FinishReason::Length => ", cut at --n-predict",
+            FinishReason::Context => ", the context is full: /reset to go on",
+            FinishReason::Eog | FinishReason::Stop => "",
+        };
+        eprintln!("[{} tokens, {:.1} tok/s, tau {:.2}{note}]", s.n_generated, s.tokens_per_second(), s.tau());
+        self.last = Some((gen.stats, gen.finish));
+        Ok(gen.text)
+    }
+
+    fn print_stats(&self) {
+        let Some((s, finish)) = &self.last else {
+            eprintln!("no reply yet");
+            return;
+        };
+        eprintln!(
+            "last reply: {} tokens in {} cycles, tau {:.2}, {:.1} tok/s, finish: {finish:?}",
+            s.n_generated,
+            s.cycles,
+            s.tau(),
+            s.tokens_per_second()
+        );
+        eprintln!(
+            "prompt: {} tokens, {} decoded, {} from the cache",
+            s.n_prompt,
+            s.n_prompt_decoded,
+            s.n_prompt - s.n_prompt_decoded
+        );
+        eprintln!(
+            "drafts: {} drafted, {} accepted; prefill {:.0} ms, draft {:.0} ms, verify {:.0} ms",
+            s.n_drafted, s.n_draft_accepted, s.prefill_ms, s.draft_ms, s.verify_ms
+        );
+        eprintln!(
+            "conversation: {} messages, {} of {} context tokens cached",
+            self.messages.len(),
+            self.engine.cached_tokens().len(),
+            self.engine.n_ctx()
+        );
+    }
+}
