@@ -222,7 +222,8 @@ fn the_openai_client_gets_chat_completions_and_streams() {
     let r = openai_scenario(&["basic", &server.base, MODEL]);
 
     assert_eq!(r["models"], json!([MODEL]));
-    for (whole, streamed) in [("chat", "chat_stream"), ("completion", "completion_stream"), ("stopped", "stopped_stream")]
+    for (whole, streamed) in
+        [("chat", "chat_stream"), ("completion", "completion_stream"), ("stopped", "stopped_stream")]
     {
         let (w, s) = (&r[whole], &r[streamed]);
         assert_eq!(w["text"], s["text"], "{whole}: streamed text differs");
@@ -233,8 +234,15 @@ fn the_openai_client_gets_chat_completions_and_streams() {
         assert_eq!(usage["total_tokens"].as_u64().unwrap(), total);
         assert!(s["chunks"].as_u64().unwrap() >= 2, "{streamed} came in one piece: {s}");
         let t = &w["timings"];
-        for key in ["prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second", "draft_n", "draft_n_accepted"]
-        {
+        for key in [
+            "prompt_n",
+            "prompt_ms",
+            "predicted_n",
+            "predicted_ms",
+            "predicted_per_second",
+            "draft_n",
+            "draft_n_accepted",
+        ] {
             assert!(t[key].is_number(), "{whole}: no timings.{key} in {t}");
         }
         assert_eq!(t["predicted_n"], usage["completion_tokens"]);
@@ -305,7 +313,8 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     let d = drafter();
     let server = Server::start("llama", &["-d", &d, "--block", "4"]);
 
-    let whole = server.post_ok("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "return_tokens": true }));
+    let whole =
+        server.post_ok("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "return_tokens": true }));
     assert_eq!(whole["stop"], true);
     assert_eq!(whole["stop_type"], "limit");
     assert_eq!(whole["tokens_predicted"], 24);
@@ -316,7 +325,8 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     assert!(whole["timings"]["draft_n"].as_u64().unwrap() > 0);
 
     // Streamed: the pieces add up to the same content; the last event ends it, no [DONE].
-    let events = server.post_sse("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "stream": true }));
+    let events =
+        server.post_sse("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "stream": true }));
     let parsed: Vec<Value> = events.iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     let content: String = parsed.iter().map(|e| e["content"].as_str().unwrap()).collect();
     assert_eq!(content, whole["content"].as_str().unwrap());
@@ -328,7 +338,8 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     // A stop word: named in the answer, cut from the content.
     let text = whole["content"].as_str().unwrap();
     let stop = &text[8..11];
-    let stopped = server.post_ok("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "stop": [stop] }));
+    let stopped =
+        server.post_ok("/completion", json!({ "prompt": "Once upon a time", "n_predict": 24, "stop": [stop] }));
     assert_eq!(stopped["stop_type"], "word");
     assert_eq!(stopped["stopping_word"], stop);
     assert_eq!(stopped["content"].as_str().unwrap(), &text[..text.find(stop).unwrap()]);
@@ -380,7 +391,8 @@ fn llama_server_endpoints_answer_in_its_shapes() {
 #[test]
 fn curl_streams_openai_events_ending_with_done() {
     let server = Server::start("curl-sse", &[]);
-    let body = json!({ "model": MODEL, "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": 6, "stream": true });
+    let body =
+        json!({ "model": MODEL, "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": 6, "stream": true });
     let events = server.post_sse("/v1/chat/completions", body);
     assert_eq!(events.last().unwrap(), "[DONE]");
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
@@ -409,26 +421,86 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
     let cases: Vec<(&str, &str, String, u16, &str)> = vec![
         ("malformed JSON", "/v1/chat/completions", "{\"messages\": [".into(), 400, "invalid_request"),
         ("not an object", "/v1/chat/completions", "[1, 2]".into(), 400, "invalid_request"),
-        ("messages of the wrong type", "/v1/chat/completions", r#"{"messages": "hello"}"#.into(), 400, "invalid_request"),
-        ("temperature of the wrong type", "/v1/chat/completions", user(json!({ "temperature": "hot" })), 400, "invalid_request"),
+        (
+            "messages of the wrong type",
+            "/v1/chat/completions",
+            r#"{"messages": "hello"}"#.into(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "temperature of the wrong type",
+            "/v1/chat/completions",
+            user(json!({ "temperature": "hot" })),
+            400,
+            "invalid_request",
+        ),
         ("no messages field", "/v1/chat/completions", r#"{"model": "target.gguf"}"#.into(), 400, "invalid_request"),
         ("empty messages", "/v1/chat/completions", r#"{"messages": []}"#.into(), 400, "invalid_request"),
         ("unknown model", "/v1/chat/completions", user(json!({ "model": "gpt-4" })), 404, "model_not_found"),
-        ("unknown model (completions)", "/v1/completions", r#"{"model": "x", "prompt": "hi"}"#.into(), 404, "model_not_found"),
+        (
+            "unknown model (completions)",
+            "/v1/completions",
+            r#"{"model": "x", "prompt": "hi"}"#.into(),
+            404,
+            "model_not_found",
+        ),
         ("max_tokens 0", "/v1/chat/completions", user(json!({ "max_tokens": 0 })), 400, "invalid_request"),
-        ("max_tokens negative", "/v1/completions", r#"{"prompt": "hi", "max_tokens": -5}"#.into(), 400, "invalid_request"),
-        ("max_tokens over the context", "/v1/chat/completions", user(json!({ "max_tokens": 100000 })), 400, "invalid_request"),
+        (
+            "max_tokens negative",
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": -5}"#.into(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "max_tokens over the context",
+            "/v1/chat/completions",
+            user(json!({ "max_tokens": 100000 })),
+            400,
+            "invalid_request",
+        ),
         ("n_predict 0", "/completion", r#"{"prompt": "hi", "n_predict": 0}"#.into(), 400, "invalid_request"),
-        ("temperature out of range", "/v1/chat/completions", user(json!({ "temperature": 7.5 })), 400, "invalid_request"),
+        (
+            "temperature out of range",
+            "/v1/chat/completions",
+            user(json!({ "temperature": 7.5 })),
+            400,
+            "invalid_request",
+        ),
         ("top_p out of range", "/v1/completions", r#"{"prompt": "hi", "top_p": 1.5}"#.into(), 400, "invalid_request"),
         ("several choices", "/v1/chat/completions", user(json!({ "n": 3 })), 400, "invalid_request"),
-        ("image content", "/v1/chat/completions", user(json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] })), 400, "invalid_request"),
+        (
+            "image content",
+            "/v1/chat/completions",
+            user(json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] })),
+            400,
+            "invalid_request",
+        ),
         ("empty token prompt", "/v1/completions", r#"{"prompt": []}"#.into(), 400, "invalid_request"),
         ("several prompts", "/v1/completions", r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request"),
-        ("token id outside the vocabulary", "/completion", r#"{"prompt": [1, 2, 999999]}"#.into(), 400, "invalid_request"),
+        (
+            "token id outside the vocabulary",
+            "/completion",
+            r#"{"prompt": [1, 2, 999999]}"#.into(),
+            400,
+            "invalid_request",
+        ),
         ("negative token id", "/detokenize", r#"{"tokens": [-3]}"#.into(), 400, "invalid_request"),
-        ("prompt over the context", "/v1/completions", json!({ "prompt": long_prompt }).to_string(), 400, "context_length_exceeded"),
-        ("chat over the context", "/v1/chat/completions", user(json!({ "messages": [{ "role": "user", "content": long_prompt }] })), 400, "context_length_exceeded"),
+        (
+            "prompt over the context",
+            "/v1/completions",
+            json!({ "prompt": long_prompt }).to_string(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "chat over the context",
+            "/v1/chat/completions",
+            user(json!({ "messages": [{ "role": "user", "content": long_prompt }] })),
+            400,
+            "context_length_exceeded",
+        ),
         ("tokenize without content", "/tokenize", "{}".into(), 400, "invalid_request"),
         ("unknown endpoint", "/v1/embeddings", "{}".into(), 404, "not_found"),
     ];
@@ -459,7 +531,8 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
 
     // None of it cost a slot, and the server still generates.
     assert_eq!(server.metric("requests_failed_total"), 0.0);
-    let ok = server.post_ok("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4 }));
+    let ok = server
+        .post_ok("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4 }));
     assert_eq!(ok["usage"]["completion_tokens"], 4);
     server.wait_idle();
 }

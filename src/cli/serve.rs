@@ -49,7 +49,7 @@ pub struct ServeArgs {
     /// Node budget of a token tree (`--select tree`).
     #[arg(long, default_value_t = 32)]
     pub tree_budget: usize,
-    /// CPU threads of each slot (default: the cores shared out between the slots).
+    /// CPU threads (all slots are decoded together by one engine).
     #[arg(short = 't', long = "threads")]
     pub threads: Option<i32>,
     /// Layers to offload to a GPU (GPU builds only).
@@ -69,7 +69,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let select = if drafter.is_some() { args.select } else { SelectMode::None };
     let mut cfg = EngineConfig::new(args.model.clone(), drafter.clone());
     cfg.n_ctx = args.ctx_size;
-    cfg.n_threads = args.threads.unwrap_or((engine::default_threads() / args.parallel as i32).max(1));
+    cfg.n_threads = args.threads.unwrap_or_else(engine::default_threads);
     cfg.n_gpu_layers = args.gpu_layers;
     cfg.features = args.features;
 

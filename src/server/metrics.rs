@@ -23,18 +23,18 @@ pub struct Metrics {
 }
 
 /// Holds one slot busy; dropping it (even while unwinding) frees the slot in the counters.
-pub struct Busy<'a>(&'a Metrics);
+pub struct Busy(std::sync::Arc<Metrics>);
 
-impl Drop for Busy<'_> {
+impl Drop for Busy {
     fn drop(&mut self) {
         self.0.busy.fetch_sub(1, Relaxed);
     }
 }
 
 impl Metrics {
-    pub fn busy(&self) -> Busy<'_> {
+    pub fn busy(self: &std::sync::Arc<Self>) -> Busy {
         self.busy.fetch_add(1, Relaxed);
-        Busy(self)
+        Busy(self.clone())
     }
 
     pub fn record(&self, g: &Generation) {

@@ -1,19 +1,17 @@
-//! Generation slots. Engine work never runs on the async runtime: each slot is a worker
-//! thread owning its own [`Engine`] (built from the shared, once-loaded models), pulling
-//! requests from one bounded queue and answering through a channel per request.
-//!
-//! Handlers only see [`Scheduler::submit`] and the [`GenEvent`]s, so this decoding core can
-//! be replaced by one that batches every slot into one drafter and one target decode per
-//! cycle without touching them.
-use super::metrics::Metrics;
+//! Generation slots. Engine work never runs on the async runtime: one engine thread owns
+//! an [`Engine`] with one cache slot per concurrent request and decodes all active
+//! requests together, each cycle drafting every block in ONE drafter decode and
+//! verifying them in ONE target decode. New requests join between cycles (continuous
+//! batching) from a bounded queue; each answers through a channel of its own.
+use super::metrics::{Busy, Metrics};
 use crate::engine::{self, Engine, EngineConfig, GenerateOptions, Generation, Run};
 use crate::llama::{Model, Token};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use tokio::sync::mpsc;
 
-/// Events a request may hold before its slot waits for the client to read them.
+/// Events a request may hold before the engine waits for the client to read them.
 const EVENT_BUFFER: usize = 64;
 
 pub struct GenRequest {
@@ -21,8 +19,8 @@ pub struct GenRequest {
     pub opts: GenerateOptions,
 }
 
-/// What a slot reports, in order: `Tokens` per decode cycle, then `Done` or `Error`.
-/// Dropping the receiver cancels the request: its slot stops after the current cycle.
+/// What a request receives, in order: `Tokens` per decode cycle, then `Done` or `Error`.
+/// Dropping the receiver cancels the request: its slot is freed after the current cycle.
 #[derive(Debug)]
 pub enum GenEvent {
     /// Tokens committed by one cycle and the text they release: whole UTF-8 characters
@@ -39,7 +37,7 @@ pub enum GenEvent {
 #[error("every slot is busy and the queue is full")]
 pub struct QueueFull;
 
-/// What a slot needs to build (and rebuild) its engine.
+/// What the engine thread needs to build (and rebuild) its engine.
 #[derive(Clone)]
 pub struct SlotModels {
     pub target: Arc<Model>,
@@ -53,7 +51,7 @@ impl SlotModels {
     }
 }
 
-/// Facts about the slots' engines, read once they are built.
+/// Facts about the engine, read once it is built.
 #[derive(Debug, Clone, Copy)]
 pub struct SlotInfo {
     /// Context of each slot, as llama.cpp made it.
@@ -68,41 +66,32 @@ struct Job {
 }
 
 pub struct Scheduler {
-    /// `None` only while dropping: closing the queue is what stops the workers.
+    /// `None` only while dropping: closing the queue is what stops the engine thread.
     queue: Option<mpsc::Sender<Job>>,
-    workers: Vec<JoinHandle<()>>,
+    worker: Option<JoinHandle<()>>,
+    slots: usize,
     info: SlotInfo,
 }
 
 impl Scheduler {
-    /// Start `slots` workers behind a queue of `queue` waiting requests; returns once every
-    /// engine is built, or with the first failure.
-    pub fn start(models: SlotModels, slots: usize, queue: usize, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+    /// Start the engine thread with `slots` concurrent requests behind a queue of `queue`
+    /// waiting ones; returns once the engine is built, or with its failure.
+    pub fn start(mut models: SlotModels, slots: usize, queue: usize, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
         anyhow::ensure!(slots >= 1 && queue >= 1, "need at least one slot and one queue place");
+        models.cfg.n_slots = slots;
         let (tx, rx) = mpsc::channel::<Job>(queue);
-        let rx = Arc::new(Mutex::new(rx));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let mut workers = Vec::with_capacity(slots);
-        for slot in 0..slots {
-            let (models, rx, metrics, ready) = (models.clone(), rx.clone(), metrics.clone(), ready_tx.clone());
-            let worker = std::thread::Builder::new().name(format!("dflash2-slot-{slot}")).spawn(move || {
-                if let Some(worker) = Worker::build(slot, models, metrics, ready) {
-                    worker.serve(&rx);
-                }
-            })?;
-            workers.push(worker);
-        }
-        drop(ready_tx);
-        let mut info = None;
-        for _ in 0..slots {
-            match ready_rx.recv() {
-                Ok(Ok(i)) => info = Some(i),
-                Ok(Err(e)) => anyhow::bail!("cannot build a slot's engine: {e}"),
-                Err(_) => anyhow::bail!("a slot died while building its engine"),
+        let worker = std::thread::Builder::new().name("dflash2-engine".into()).spawn(move || {
+            if let Some(worker) = Worker::build(models, metrics, ready_tx) {
+                worker.serve(rx);
             }
-        }
-        let info = info.expect("slots >= 1 reported");
-        Ok(Self { queue: Some(tx), workers, info })
+        })?;
+        let info = match ready_rx.recv() {
+            Ok(Ok(i)) => i,
+            Ok(Err(e)) => anyhow::bail!("cannot build the engine: {e}"),
+            Err(_) => anyhow::bail!("the engine thread died while building its engine"),
+        };
+        Ok(Self { queue: Some(tx), worker: Some(worker), slots, info })
     }
 
     /// Queue a request; fails at once when every slot is busy and the queue is full.
@@ -119,7 +108,7 @@ impl Scheduler {
     }
 
     pub fn slots(&self) -> usize {
-        self.workers.len()
+        self.slots
     }
 
     pub fn info(&self) -> SlotInfo {
@@ -129,25 +118,33 @@ impl Scheduler {
 
 impl Drop for Scheduler {
     fn drop(&mut self) {
-        // Closing the queue ends each worker once its current request is over.
+        // Closing the queue ends the engine thread once its active requests are over.
         self.queue.take();
-        for w in self.workers.drain(..) {
+        if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
     }
 }
 
+/// A request being decoded in a slot.
+struct Active {
+    job: Job,
+    run: Run,
+    text: TextRelease,
+    _busy: Busy,
+}
+
 struct Worker {
-    slot: usize,
     models: SlotModels,
     metrics: Arc<Metrics>,
     /// `None` after a panic left it in an unknown state and rebuilding failed.
     engine: Option<Engine>,
+    /// One entry per engine slot.
+    slots: Vec<Option<Active>>,
 }
 
 impl Worker {
     fn build(
-        slot: usize,
         models: SlotModels,
         metrics: Arc<Metrics>,
         ready: std::sync::mpsc::Sender<Result<SlotInfo, String>>,
@@ -157,7 +154,8 @@ impl Worker {
                 let info =
                     SlotInfo { n_ctx: engine.n_ctx(), trained_block: engine.drafter().map(|d| d.trained_block()) };
                 let _ = ready.send(Ok(info));
-                Some(Self { slot, models, metrics, engine: Some(engine) })
+                let slots = (0..engine.n_slots()).map(|_| None).collect();
+                Some(Self { models, metrics, engine: Some(engine), slots })
             }
             Err(e) => {
                 let _ = ready.send(Err(e.to_string()));
@@ -166,92 +164,152 @@ impl Worker {
         }
     }
 
-    fn serve(mut self, queue: &Mutex<mpsc::Receiver<Job>>) {
+    fn serve(mut self, mut queue: mpsc::Receiver<Job>) {
+        let mut open = true;
         loop {
-            // Held only while waiting (a guard in the loop head would live through the job).
-            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).blocking_recv();
-            let Some(job) = next else { return }; // the queue closed: shutting down
-            if job.events.is_closed() {
-                continue; // the client left while its request waited
-            }
-            let metrics = self.metrics.clone();
-            let _busy = metrics.busy();
-            if self.engine.is_none() {
-                self.rebuild(); // a failed rebuild is retried with each request
-            }
-            let outcome = match self.engine.as_mut() {
-                Some(engine) => catch_unwind(AssertUnwindSafe(|| run_job(engine, &job))),
-                None => Ok(Err(engine::EngineError::Config("this slot cannot build its engine (see the log)".into()))),
-            };
-            let event = match outcome {
-                Ok(Ok(gen)) => {
-                    self.metrics.record(&gen);
-                    GenEvent::Done(gen)
-                }
-                Ok(Err(e)) => {
-                    self.metrics.failed();
-                    tracing::warn!(slot = self.slot, "generation failed: {e}");
-                    // The cache may be half-updated: start the next request from an empty one.
-                    if self.engine.as_mut().is_some_and(|en| en.reset().is_err()) {
-                        self.rebuild();
+            // Admit waiting requests into free slots; sleep only when nothing is active.
+            while open {
+                let Some(slot) = self.slots.iter().position(Option::is_none) else { break };
+                let idle = self.slots.iter().all(Option::is_none);
+                let job = if idle {
+                    queue.blocking_recv()
+                } else {
+                    match queue.try_recv() {
+                        Ok(j) => Some(j),
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => None,
                     }
-                    GenEvent::Error(e.to_string())
+                };
+                match job {
+                    Some(job) => self.admit(slot, job),
+                    None => open = false, // the queue closed: finish what is active, then stop
                 }
-                Err(panic) => {
-                    self.metrics.failed();
-                    let what = panic_message(&panic);
-                    tracing::error!(slot = self.slot, "generation panicked: {what}");
+            }
+            if self.slots.iter().all(Option::is_none) {
+                if open {
+                    continue;
+                }
+                return;
+            }
+            self.cycle();
+        }
+    }
+
+    /// Start a request in `slot`: its prompt is decoded now (the slot's cached prefix is reused).
+    fn admit(&mut self, slot: usize, job: Job) {
+        if job.events.is_closed() {
+            return; // the client left while its request waited
+        }
+        let busy = self.metrics.busy();
+        if self.engine.is_none() {
+            self.rebuild(); // a failed rebuild is retried with each request
+        }
+        let started = match self.engine.as_mut() {
+            Some(engine) => catch_unwind(AssertUnwindSafe(|| engine.start_in(slot, &job.req.prompt, &job.req.opts))),
+            None => Ok(Err(engine::EngineError::Config("the engine cannot be built (see the log)".into()))),
+        };
+        match started {
+            Ok(Ok(run)) => {
+                let text = TextRelease::new(job.req.opts.stop.clone());
+                let first = run.tokens().to_vec();
+                self.slots[slot] = self.deliver(Active { job, run, text, _busy: busy }, first);
+            }
+            Ok(Err(e)) => {
+                self.metrics.failed();
+                tracing::warn!(slot, "request failed: {e}");
+                let _ = job.events.blocking_send(GenEvent::Error(e.to_string()));
+            }
+            Err(panic) => {
+                self.metrics.failed();
+                let what = panic_message(&panic);
+                tracing::error!(slot, "request panicked: {what}");
+                self.abort_all(&format!("internal error: {what}"));
+                let _ = job.events.blocking_send(GenEvent::Error(format!("internal error: {what}")));
+            }
+        }
+    }
+
+    /// One decode cycle for every active request.
+    fn cycle(&mut self) {
+        let Some(engine) = self.engine.as_mut() else {
+            self.abort_all("the engine cannot be built (see the log)");
+            return;
+        };
+        let mut runs: Vec<&mut Run> = self.slots.iter_mut().flatten().map(|a| &mut a.run).collect();
+        let outcome = catch_unwind(AssertUnwindSafe(|| engine.step_all(&mut runs)));
+        match outcome {
+            Ok(Ok(fresh)) => {
+                let mut fresh = fresh.into_iter();
+                for slot in 0..self.slots.len() {
+                    let Some(active) = self.slots[slot].take() else { continue };
+                    let tokens = fresh.next().unwrap_or_default();
+                    self.slots[slot] = self.deliver(active, tokens);
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!("decode cycle failed: {e}");
+                self.abort_all(&e.to_string());
+                // The caches may be half-updated: start again from empty ones.
+                if self.engine.as_mut().is_some_and(|en| en.reset().is_err()) {
                     self.rebuild();
-                    GenEvent::Error(format!("internal error: {what}"))
                 }
-            };
-            let _ = job.events.blocking_send(event);
+            }
+            Err(panic) => {
+                let what = panic_message(&panic);
+                tracing::error!("decode cycle panicked: {what}");
+                self.abort_all(&format!("internal error: {what}"));
+                self.rebuild();
+            }
+        }
+    }
+
+    /// Send a request its new tokens (and its result once it is over). Returns it while
+    /// it keeps its slot: not once it finished or its client went away.
+    fn deliver(&self, mut a: Active, tokens: Vec<Token>) -> Option<Active> {
+        let released = a.text.release(&a.run);
+        let gone = if tokens.is_empty() && released.is_empty() {
+            a.job.events.is_closed()
+        } else {
+            a.job.events.blocking_send(GenEvent::Tokens { tokens, text: released }).is_err()
+        };
+        if gone {
+            a.run.cancel();
+        }
+        if a.run.finish().is_none() {
+            return Some(a);
+        }
+        let gen = a.run.into_generation();
+        self.metrics.record(&gen);
+        let _ = a.job.events.blocking_send(GenEvent::Done(gen));
+        None
+    }
+
+    /// End every active request with `message`.
+    fn abort_all(&mut self, message: &str) {
+        for a in self.slots.iter_mut().filter_map(Option::take) {
+            self.metrics.failed();
+            let _ = a.job.events.blocking_send(GenEvent::Error(message.to_string()));
         }
     }
 
     fn rebuild(&mut self) {
-        self.engine = None; // free the old context before making a new one
-        self.engine = self
-            .models
-            .engine()
-            .inspect_err(|e| tracing::error!(slot = self.slot, "cannot rebuild the engine: {e}"))
-            .ok();
-    }
-}
-
-/// Drive one request to its end, streaming each cycle's tokens; a client that went away
-/// (its receiver dropped) cancels the run at the next cycle boundary.
-fn run_job(engine: &mut Engine, job: &Job) -> engine::Result<Generation> {
-    let mut run = engine.start(&job.req.prompt, &job.req.opts)?;
-    let mut text = TextRelease::new(&job.req.opts.stop);
-    let mut fresh = run.tokens().to_vec();
-    loop {
-        let released = text.release(&run);
-        let gone = if fresh.is_empty() && released.is_empty() {
-            job.events.is_closed()
-        } else {
-            job.events.blocking_send(GenEvent::Tokens { tokens: fresh, text: released }).is_err()
-        };
-        if gone {
-            run.cancel();
-        }
-        if run.finish().is_some() {
-            return Ok(run.into_generation());
-        }
-        fresh = engine.step(&mut run)?;
+        self.engine = None; // free the old contexts before making new ones
+        self.engine =
+            self.models.engine().inspect_err(|e| tracing::error!("cannot rebuild the engine: {e}")).ok();
     }
 }
 
 /// Splits a run's text into the pieces that are safe to show as it grows.
-struct TextRelease<'a> {
-    stops: &'a [String],
+struct TextRelease {
+    stops: Vec<String>,
     longest_stop: usize,
     sent: usize,
 }
 
-impl<'a> TextRelease<'a> {
-    fn new(stops: &'a [String]) -> Self {
-        Self { stops, longest_stop: stops.iter().map(String::len).max().unwrap_or(0), sent: 0 }
+impl TextRelease {
+    fn new(stops: Vec<String>) -> Self {
+        let longest_stop = stops.iter().map(String::len).max().unwrap_or(0);
+        Self { stops, longest_stop, sent: 0 }
     }
 
     /// The text not released yet, up to what is final: everything once the run is over,
@@ -291,8 +349,7 @@ mod tests {
 
     #[test]
     fn a_tail_that_may_begin_a_stop_string_is_held_back() {
-        let stops = ["</end>".to_string(), "STOP".to_string()];
-        let t = TextRelease::new(&stops);
+        let t = TextRelease::new(vec!["</end>".to_string(), "STOP".to_string()]);
         assert_eq!(t.final_end("hello </e"), 6);
         assert_eq!(t.final_end("hello ST"), 6);
         assert_eq!(t.final_end("hello S"), 6);
@@ -303,7 +360,7 @@ mod tests {
 
     #[test]
     fn an_unfinished_character_is_held_back() {
-        let t = TextRelease::new(&[]);
+        let t = TextRelease::new(Vec::new());
         let text = String::from_utf8_lossy(b"caf\xc3");
         assert_eq!(t.final_end(&text), 3);
         assert_eq!(t.final_end("café"), "café".len());
