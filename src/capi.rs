@@ -3,10 +3,11 @@
 //! Every entry point validates its arguments, runs inside `catch_unwind` (no panic crosses
 //! into C), returns a [`Status`] and leaves a message for `dflash2_last_error` on failure.
 //! The header is the contract; the layouts here must match it (tests/capi.rs checks them).
+use crate::text::Utf8Stream;
 use crate::engine::{
     default_threads, Engine, EngineConfig, EngineError, FinishReason, GenerateOptions, Run, SelectMode, Stats,
 };
-use crate::llama::{ChatMessage, LlamaError, Model, ModelParams, Token};
+use crate::llama::{ChatMessage, LlamaError, Model, Token};
 use crate::sampling::SamplingParams;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -385,67 +386,6 @@ fn engine_settings(p: &CEngineParams) -> Result<(EngineConfig, GenerateOptions)>
     Ok((cfg, opts))
 }
 
-fn load_models(cfg: &EngineConfig) -> Result<(Arc<Model>, Option<Arc<Model>>)> {
-    // The GGUF checks first: a missing file or a mismatched pair is a clear error, not an abort.
-    let checked = match &cfg.drafter {
-        Some(d) => crate::gguf::check_pair_files(&cfg.target, d).map(drop),
-        None => crate::gguf::read_model_info(&cfg.target).map(drop).map_err(Into::into),
-    };
-    checked.map_err(EngineError::from)?;
-    let mparams = ModelParams { n_gpu_layers: cfg.n_gpu_layers };
-    let target = Arc::new(Model::load(&cfg.target, &mparams)?);
-    let drafter = match &cfg.drafter {
-        Some(p) => Some(Arc::new(Model::load(p, &mparams)?)),
-        None => None,
-    };
-    Ok((target, drafter))
-}
-
-/// Turns committed token bytes into whole UTF-8 characters, exactly as
-/// `String::from_utf8_lossy` over the whole output would read them (the chat prints with it too).
-#[derive(Default)]
-pub(crate) struct Utf8Stream {
-    pending: Vec<u8>,
-}
-
-impl Utf8Stream {
-    pub(crate) fn push(&mut self, bytes: &[u8]) -> String {
-        self.pending.extend_from_slice(bytes);
-        let mut out = String::new();
-        loop {
-            match std::str::from_utf8(&self.pending) {
-                Ok(s) => {
-                    out.push_str(s);
-                    self.pending.clear();
-                    return out;
-                }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    out.push_str(std::str::from_utf8(&self.pending[..valid]).expect("checked valid"));
-                    match e.error_len() {
-                        Some(bad) => {
-                            out.push(char::REPLACEMENT_CHARACTER);
-                            self.pending.drain(..valid + bad);
-                        }
-                        // Incomplete: the rest of the character comes with the next token.
-                        None => {
-                            self.pending.drain(..valid);
-                            return out;
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// What is left when the output ends (a character cut short becomes U+FFFD).
-    pub(crate) fn finish(&mut self) -> String {
-        let rest = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
-        rest
-    }
-}
-
 impl SessionState {
     fn run_mut(&mut self) -> Result<&mut Run> {
         self.run.as_mut().map_or_else(|| err(Status::State, "no prompt fed: call dflash2_session_feed first"), Ok)
@@ -526,7 +466,7 @@ pub unsafe extern "C" fn dflash2_engine_new(params: *const CEngineParams, out: *
         let out = out_ptr(out, "out")?;
         *out = std::ptr::null_mut();
         let (config, opts) = engine_settings(non_null(params, "params")?)?;
-        let (target, drafter) = load_models(&config)?;
+        let (target, drafter) = Engine::load_models(&config)?;
         *out = Box::into_raw(Box::new(EngineHandle { target, drafter, config, opts }));
         Ok(())
     })
@@ -563,9 +503,8 @@ pub unsafe extern "C" fn dflash2_tokenize(
         let n_tokens = out_ptr(n_tokens, "n_tokens")?;
         *n_tokens = 0;
         let bytes = slice(text.cast::<u8>(), text_len, "text", "text_len")?;
-        let text = std::str::from_utf8(bytes).or_else(|x| {
-            err(Status::Utf8, format!("text is not valid UTF-8 (at byte {})", x.valid_up_to()))
-        })?;
+        let text = std::str::from_utf8(bytes)
+            .or_else(|x| err(Status::Utf8, format!("text is not valid UTF-8 (at byte {})", x.valid_up_to())))?;
         let buf = out_buf(tokens, capacity, "tokens")?;
         let toks = e.target.tokenize(text, add_special, parse_special)?;
         copy_out(&toks, buf, n_tokens, "tokens")

@@ -385,7 +385,7 @@ impl Engine {
         let mut fresh = run.tokens().to_vec();
         loop {
             if !fresh.is_empty() && !on_tokens(&fresh) && run.finish.is_none() {
-                run.finish = Some(FinishReason::Cancelled);
+                run.cancel();
             }
             if run.finish.is_some() {
                 break;
@@ -429,6 +429,7 @@ impl Engine {
             finish: None,
             speculative,
             t_start,
+            t_end: None,
         };
         run.next = self.prefill(slot, prompt, &mut run.sampler, &mut run.stats)?;
         run.stats.prefill_ms = ms_since(t_start);
@@ -515,6 +516,7 @@ impl Engine {
             let pos0 = self.slots[run.slot].cached.len();
             if pos0 >= n_ctx {
                 run.finish = Some(FinishReason::Context);
+                run.t_end.get_or_insert_with(Instant::now);
                 continue;
             }
             let remaining = run.opts.n_predict - run.out.tokens.len();
@@ -940,6 +942,8 @@ pub struct Run {
     finish: Option<FinishReason>,
     speculative: bool,
     t_start: Instant,
+    /// When the generation ended (its timings stop there).
+    t_end: Option<Instant>,
 }
 
 impl Run {
@@ -976,13 +980,15 @@ impl Run {
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.n_generated = self.out.tokens.len();
-        s.total_ms = ms_since(self.t_start);
+        let end = self.t_end.unwrap_or_else(Instant::now);
+        s.total_ms = (end - self.t_start).as_secs_f64() * 1e3;
         s
     }
 
     /// Stop the generation early (the output so far stays).
     pub fn cancel(&mut self) {
         self.finish.get_or_insert(FinishReason::Cancelled);
+        self.t_end.get_or_insert_with(Instant::now);
     }
 
     pub fn into_generation(self) -> Generation {
@@ -998,6 +1004,9 @@ impl Run {
     fn commit(&mut self, model: &Model, new: &[Token]) {
         if self.finish.is_none() {
             self.finish = self.out.push(model, new, &self.opts);
+        }
+        if self.finish.is_some() {
+            self.t_end.get_or_insert_with(Instant::now);
         }
     }
 }

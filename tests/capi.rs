@@ -39,7 +39,9 @@ fn lib_dir() -> PathBuf {
     exe.ancestors()
         .skip(1)
         .find(|d| d.join(shared).is_file() && d.join("libdflash2.a").is_file())
-        .unwrap_or_else(|| panic!("no {shared} and libdflash2.a above {}: build with `cargo build --release`", exe.display()))
+        .unwrap_or_else(|| {
+            panic!("no {shared} and libdflash2.a above {}: build with `cargo build --release`", exe.display())
+        })
         .to_path_buf()
 }
 
@@ -67,8 +69,20 @@ fn header_compiles_as_c99_and_cpp11_without_warnings() {
     let src = dir.join("include_only.c");
     std::fs::write(&src, "#include <dflash2.h>\nint main(void) { return dflash2_version() == 0; }\n").unwrap();
     let inc = format!("-I{}", ffi_dir().display());
-    run_ok(Command::new(tool("CC", "cc")).args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", &inc, "-c"]).arg(&src).arg("-o").arg(dir.join("c.o")));
-    run_ok(Command::new(tool("CXX", "c++")).args(["-std=c++11", "-Wall", "-Wextra", "-Werror", "-pedantic", &inc, "-x", "c++", "-c"]).arg(&src).arg("-o").arg(dir.join("cpp.o")));
+    run_ok(
+        Command::new(tool("CC", "cc"))
+            .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", &inc, "-c"])
+            .arg(&src)
+            .arg("-o")
+            .arg(dir.join("c.o")),
+    );
+    run_ok(
+        Command::new(tool("CXX", "c++"))
+            .args(["-std=c++11", "-Wall", "-Wextra", "-Werror", "-pedantic", &inc, "-x", "c++", "-c"])
+            .arg(&src)
+            .arg("-o")
+            .arg(dir.join("cpp.o")),
+    );
 }
 
 #[test]
@@ -138,7 +152,14 @@ fn header_layouts_and_constants_match_the_library() {
     let c = dir.join("layout.c");
     std::fs::write(&c, src).unwrap();
     let exe = dir.join("layout");
-    run_ok(Command::new(tool("CC", "cc")).args(["-std=c99", "-Wall", "-Werror"]).arg(format!("-I{}", ffi_dir().display())).arg(&c).arg("-o").arg(&exe));
+    run_ok(
+        Command::new(tool("CC", "cc"))
+            .args(["-std=c99", "-Wall", "-Werror"])
+            .arg(format!("-I{}", ffi_dir().display()))
+            .arg(&c)
+            .arg("-o")
+            .arg(&exe),
+    );
     let out = String::from_utf8(run_ok(&mut Command::new(&exe)).stdout).unwrap();
     let seen: Vec<(String, usize)> = out
         .lines()
@@ -195,9 +216,15 @@ fn stream_example_builds_shared_and_static_and_reproduces_the_engine() {
     // Shared: what `pkg-config --cflags --libs` gives, plus an rpath to find it at run time.
     let pc_shared = write_pc(&dir.join("pc-shared"), &libdir);
     let shared_exe = dir.join("stream-shared");
-    run_ok(Command::new(tool("CC", "cc")).args(["-std=c99", "-Wall", "-Wextra", "-Werror"]).arg(&example)
-        .args(pkg_config(&pc_shared, &["--cflags", "--libs"]))
-        .arg(format!("-Wl,-rpath,{}", libdir.display())).arg("-o").arg(&shared_exe));
+    run_ok(
+        Command::new(tool("CC", "cc"))
+            .args(["-std=c99", "-Wall", "-Wextra", "-Werror"])
+            .arg(&example)
+            .args(pkg_config(&pc_shared, &["--cflags", "--libs"]))
+            .arg(format!("-Wl,-rpath,{}", libdir.display()))
+            .arg("-o")
+            .arg(&shared_exe),
+    );
 
     // Static: a libdir holding only libdflash2.a, linked with `pkg-config --static`.
     let static_lib = dir.join("static-lib");
@@ -207,11 +234,23 @@ fn stream_example_builds_shared_and_static_and_reproduces_the_engine() {
     std::os::unix::fs::symlink(libdir.join("libdflash2.a"), &link).unwrap();
     let pc_static = write_pc(&dir.join("pc-static"), &static_lib);
     let static_exe = dir.join("stream-static");
-    run_ok(Command::new(tool("CC", "cc")).args(["-std=c99", "-Wall", "-Wextra", "-Werror"]).arg(&example)
-        .args(pkg_config(&pc_static, &["--static", "--cflags", "--libs"])).arg("-o").arg(&static_exe));
+    run_ok(
+        Command::new(tool("CC", "cc"))
+            .args(["-std=c99", "-Wall", "-Wextra", "-Werror"])
+            .arg(&example)
+            .args(pkg_config(&pc_static, &["--static", "--cflags", "--libs"]))
+            .arg("-o")
+            .arg(&static_exe),
+    );
 
     for exe in [&shared_exe, &static_exe] {
-        let out = run_ok(Command::new(exe).arg(model("target.gguf")).arg(model("drafter-dflash2.gguf")).arg(prompt).arg(n.to_string()));
+        let out = run_ok(
+            Command::new(exe)
+                .arg(model("target.gguf"))
+                .arg(model("drafter-dflash2.gguf"))
+                .arg(prompt)
+                .arg(n.to_string()),
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(String::from_utf8_lossy(&out.stdout), expected, "{} (stderr: {stderr})", exe.display());
         assert!(stderr.contains(&format!("dflash2 {}: ", env!("CARGO_PKG_VERSION"))), "{stderr}");
@@ -294,7 +333,18 @@ impl Fixture {
     fn tokenize(&self, text: &str, special: bool) -> Vec<i32> {
         let mut n = 0;
         let mut buf = vec![0i32; text.len() + 8];
-        ok(unsafe { dflash2_tokenize(self.engine, text.as_ptr().cast(), text.len(), special, special, buf.as_mut_ptr(), buf.len(), &mut n) });
+        ok(unsafe {
+            dflash2_tokenize(
+                self.engine,
+                text.as_ptr().cast(),
+                text.len(),
+                special,
+                special,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut n,
+            )
+        });
         buf.truncate(n);
         buf
     }
@@ -432,14 +482,20 @@ fn tokenize_detokenize_and_chat_template_round_trip() {
     let tokens = fx.tokenize(text, false);
     let mut buf = vec![0 as c_char; 64];
     let mut len = 0;
-    ok(unsafe { dflash2_detokenize(fx.engine, tokens.as_ptr(), tokens.len(), false, buf.as_mut_ptr(), buf.len(), &mut len) });
+    ok(unsafe {
+        dflash2_detokenize(fx.engine, tokens.as_ptr(), tokens.len(), false, buf.as_mut_ptr(), buf.len(), &mut len)
+    });
     assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap(), text);
     assert_eq!(len, text.len());
 
     let (role, content) = (CString::new("user").unwrap(), CString::new("Hi!").unwrap());
     let msg = CChatMessage { role: role.as_ptr(), content: content.as_ptr() };
     let mut need = 0;
-    expect_err(unsafe { dflash2_apply_chat_template(fx.engine, &msg, 1, true, null_mut(), 0, &mut need) }, Status::BufferTooSmall, "needed");
+    expect_err(
+        unsafe { dflash2_apply_chat_template(fx.engine, &msg, 1, true, null_mut(), 0, &mut need) },
+        Status::BufferTooSmall,
+        "needed",
+    );
     let mut buf = vec![0 as c_char; need + 1];
     ok(unsafe { dflash2_apply_chat_template(fx.engine, &msg, 1, true, buf.as_mut_ptr(), buf.len(), &mut len) });
     let rendered = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap();
@@ -511,28 +567,88 @@ fn every_call_rejects_bad_arguments_with_a_code_and_a_message() {
     let (tp, tl) = (text.as_ptr().cast::<c_char>(), text.len());
 
     // dflash2_tokenize
-    expect_err(unsafe { dflash2_tokenize(null(), tp, tl, true, true, toks.as_mut_ptr(), 4, &mut n) }, Status::NullArg, "engine is NULL");
-    expect_err(unsafe { dflash2_tokenize(e, null(), tl, true, true, toks.as_mut_ptr(), 4, &mut n) }, Status::NullArg, "text is NULL");
-    expect_err(unsafe { dflash2_tokenize(e, tp, 0, true, true, toks.as_mut_ptr(), 4, &mut n) }, Status::InvalidArg, "text_len is 0");
+    expect_err(
+        unsafe { dflash2_tokenize(null(), tp, tl, true, true, toks.as_mut_ptr(), 4, &mut n) },
+        Status::NullArg,
+        "engine is NULL",
+    );
+    expect_err(
+        unsafe { dflash2_tokenize(e, null(), tl, true, true, toks.as_mut_ptr(), 4, &mut n) },
+        Status::NullArg,
+        "text is NULL",
+    );
+    expect_err(
+        unsafe { dflash2_tokenize(e, tp, 0, true, true, toks.as_mut_ptr(), 4, &mut n) },
+        Status::InvalidArg,
+        "text_len is 0",
+    );
     let bad = b"ab\xc3(";
-    expect_err(unsafe { dflash2_tokenize(e, bad.as_ptr().cast(), bad.len(), true, true, toks.as_mut_ptr(), 4, &mut n) }, Status::Utf8, "text is not valid UTF-8 (at byte 2)");
-    expect_err(unsafe { dflash2_tokenize(e, tp, tl, true, true, null_mut(), 4, &mut n) }, Status::NullArg, "tokens is NULL but its capacity is 4");
-    expect_err(unsafe { dflash2_tokenize(e, tp, tl, true, true, toks.as_mut_ptr(), 4, null_mut()) }, Status::NullArg, "n_tokens is NULL");
+    expect_err(
+        unsafe { dflash2_tokenize(e, bad.as_ptr().cast(), bad.len(), true, true, toks.as_mut_ptr(), 4, &mut n) },
+        Status::Utf8,
+        "text is not valid UTF-8 (at byte 2)",
+    );
+    expect_err(
+        unsafe { dflash2_tokenize(e, tp, tl, true, true, null_mut(), 4, &mut n) },
+        Status::NullArg,
+        "tokens is NULL but its capacity is 4",
+    );
+    expect_err(
+        unsafe { dflash2_tokenize(e, tp, tl, true, true, toks.as_mut_ptr(), 4, null_mut()) },
+        Status::NullArg,
+        "n_tokens is NULL",
+    );
     let need = fx.tokenize(text, true).len();
-    expect_err(unsafe { dflash2_tokenize(e, tp, tl, true, true, toks.as_mut_ptr(), 1, &mut n) }, Status::BufferTooSmall, "tokens holds 1");
+    expect_err(
+        unsafe { dflash2_tokenize(e, tp, tl, true, true, toks.as_mut_ptr(), 1, &mut n) },
+        Status::BufferTooSmall,
+        "tokens holds 1",
+    );
     assert_eq!(n, need, "a too-small buffer reports the size needed");
 
     // dflash2_detokenize
     let t = [1i32, 2];
-    expect_err(unsafe { dflash2_detokenize(null(), t.as_ptr(), 2, false, buf.as_mut_ptr(), 4, &mut len) }, Status::NullArg, "engine is NULL");
-    expect_err(unsafe { dflash2_detokenize(e, null(), 2, false, buf.as_mut_ptr(), 4, &mut len) }, Status::NullArg, "tokens is NULL");
-    expect_err(unsafe { dflash2_detokenize(e, t.as_ptr(), 0, false, buf.as_mut_ptr(), 4, &mut len) }, Status::InvalidArg, "n_tokens is 0");
-    expect_err(unsafe { dflash2_detokenize(e, [5, -1].as_ptr(), 2, false, buf.as_mut_ptr(), 4, &mut len) }, Status::InvalidArg, "token -1 (at index 1) is outside the vocabulary of 512");
-    expect_err(unsafe { dflash2_detokenize(e, [512].as_ptr(), 1, false, buf.as_mut_ptr(), 4, &mut len) }, Status::InvalidArg, "token 512 (at index 0)");
-    expect_err(unsafe { dflash2_detokenize(e, t.as_ptr(), 2, false, null_mut(), 4, &mut len) }, Status::NullArg, "buf is NULL but its capacity is 4");
-    expect_err(unsafe { dflash2_detokenize(e, t.as_ptr(), 2, false, buf.as_mut_ptr(), 4, null_mut()) }, Status::NullArg, "len is NULL");
+    expect_err(
+        unsafe { dflash2_detokenize(null(), t.as_ptr(), 2, false, buf.as_mut_ptr(), 4, &mut len) },
+        Status::NullArg,
+        "engine is NULL",
+    );
+    expect_err(
+        unsafe { dflash2_detokenize(e, null(), 2, false, buf.as_mut_ptr(), 4, &mut len) },
+        Status::NullArg,
+        "tokens is NULL",
+    );
+    expect_err(
+        unsafe { dflash2_detokenize(e, t.as_ptr(), 0, false, buf.as_mut_ptr(), 4, &mut len) },
+        Status::InvalidArg,
+        "n_tokens is 0",
+    );
+    expect_err(
+        unsafe { dflash2_detokenize(e, [5, -1].as_ptr(), 2, false, buf.as_mut_ptr(), 4, &mut len) },
+        Status::InvalidArg,
+        "token -1 (at index 1) is outside the vocabulary of 512",
+    );
+    expect_err(
+        unsafe { dflash2_detokenize(e, [512].as_ptr(), 1, false, buf.as_mut_ptr(), 4, &mut len) },
+        Status::InvalidArg,
+        "token 512 (at index 0)",
+    );
+    expect_err(
+        unsafe { dflash2_detokenize(e, t.as_ptr(), 2, false, null_mut(), 4, &mut len) },
+        Status::NullArg,
+        "buf is NULL but its capacity is 4",
+    );
+    expect_err(
+        unsafe { dflash2_detokenize(e, t.as_ptr(), 2, false, buf.as_mut_ptr(), 4, null_mut()) },
+        Status::NullArg,
+        "len is NULL",
+    );
     let long = fx.tokenize("a rather long piece of text", false);
-    expect_err(unsafe { dflash2_detokenize(e, long.as_ptr(), long.len(), false, buf.as_mut_ptr(), 4, &mut len) }, Status::BufferTooSmall, "buf holds 4 bytes");
+    expect_err(
+        unsafe { dflash2_detokenize(e, long.as_ptr(), long.len(), false, buf.as_mut_ptr(), 4, &mut len) },
+        Status::BufferTooSmall,
+        "buf holds 4 bytes",
+    );
     assert_eq!(len, "a rather long piece of text".len());
 
     // dflash2_apply_chat_template
@@ -541,16 +657,33 @@ fn every_call_rejects_bad_arguments_with_a_code_and_a_message() {
     let msg = |role: *const c_char, content: *const c_char| CChatMessage { role, content };
     let good_msg = msg(user.as_ptr(), hi.as_ptr());
     let mut big = [0 as c_char; 256];
-    let chat = |m: *const CChatMessage, n_m: usize, b: *mut c_char, cap: usize, l: *mut usize, eng: *const EngineHandle| unsafe {
+    let chat = |m: *const CChatMessage,
+                n_m: usize,
+                b: *mut c_char,
+                cap: usize,
+                l: *mut usize,
+                eng: *const EngineHandle| unsafe {
         dflash2_apply_chat_template(eng, m, n_m, true, b, cap, l)
     };
     expect_err(chat(&good_msg, 1, big.as_mut_ptr(), 256, &mut len, null()), Status::NullArg, "engine is NULL");
     expect_err(chat(null(), 1, big.as_mut_ptr(), 256, &mut len, e), Status::NullArg, "messages is NULL");
     expect_err(chat(&good_msg, 0, big.as_mut_ptr(), 256, &mut len, e), Status::InvalidArg, "n_messages is 0");
-    expect_err(chat(&msg(null(), hi.as_ptr()), 1, big.as_mut_ptr(), 256, &mut len, e), Status::NullArg, "messages[0].role is NULL");
+    expect_err(
+        chat(&msg(null(), hi.as_ptr()), 1, big.as_mut_ptr(), 256, &mut len, e),
+        Status::NullArg,
+        "messages[0].role is NULL",
+    );
     let two = [good_msg, msg(user.as_ptr(), null())];
-    expect_err(chat(two.as_ptr(), 2, big.as_mut_ptr(), 256, &mut len, e), Status::NullArg, "messages[1].content is NULL");
-    expect_err(chat(&msg(user.as_ptr(), bad_content.as_ptr()), 1, big.as_mut_ptr(), 256, &mut len, e), Status::Utf8, "messages[0].content is not valid UTF-8");
+    expect_err(
+        chat(two.as_ptr(), 2, big.as_mut_ptr(), 256, &mut len, e),
+        Status::NullArg,
+        "messages[1].content is NULL",
+    );
+    expect_err(
+        chat(&msg(user.as_ptr(), bad_content.as_ptr()), 1, big.as_mut_ptr(), 256, &mut len, e),
+        Status::Utf8,
+        "messages[0].content is not valid UTF-8",
+    );
     expect_err(chat(&good_msg, 1, null_mut(), 256, &mut len, e), Status::NullArg, "buf is NULL");
     expect_err(chat(&good_msg, 1, big.as_mut_ptr(), 256, null_mut(), e), Status::NullArg, "len is NULL");
     expect_err(chat(&good_msg, 1, big.as_mut_ptr(), 4, &mut len, e), Status::BufferTooSmall, "buf holds 4 bytes");
@@ -564,8 +697,16 @@ fn every_call_rejects_bad_arguments_with_a_code_and_a_message() {
 
     // Before any prompt: generation calls are out of order.
     let (mut finish, mut st) = (0i32, CStats::default());
-    expect_err(unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 4, &mut n, &mut finish) }, Status::State, "call dflash2_session_feed first");
-    expect_err(unsafe { dflash2_session_generate(s, Some(collect), null_mut()) }, Status::State, "call dflash2_session_feed first");
+    expect_err(
+        unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 4, &mut n, &mut finish) },
+        Status::State,
+        "call dflash2_session_feed first",
+    );
+    expect_err(
+        unsafe { dflash2_session_generate(s, Some(collect), null_mut()) },
+        Status::State,
+        "call dflash2_session_feed first",
+    );
     expect_err(unsafe { dflash2_session_stats(s, &mut st) }, Status::State, "no generation yet");
 
     // dflash2_session_feed
@@ -575,23 +716,57 @@ fn every_call_rejects_bad_arguments_with_a_code_and_a_message() {
     expect_err(unsafe { dflash2_session_feed(s, null(), pl, 4) }, Status::NullArg, "tokens is NULL");
     expect_err(unsafe { dflash2_session_feed(s, pp, 0, 4) }, Status::InvalidArg, "n_tokens is 0");
     expect_err(unsafe { dflash2_session_feed(s, pp, pl, 0) }, Status::InvalidArg, "n_predict is 0");
-    expect_err(unsafe { dflash2_session_feed(s, [7, 99999].as_ptr(), 2, 4) }, Status::InvalidArg, "token 99999 (at index 1)");
+    expect_err(
+        unsafe { dflash2_session_feed(s, [7, 99999].as_ptr(), 2, 4) },
+        Status::InvalidArg,
+        "token 99999 (at index 1)",
+    );
     let too_long = vec![prompt[0]; N_CTX as usize + 1];
-    expect_err(unsafe { dflash2_session_feed(s, too_long.as_ptr(), too_long.len(), 4) }, Status::Context, "the context holds 512");
+    expect_err(
+        unsafe { dflash2_session_feed(s, too_long.as_ptr(), too_long.len(), 4) },
+        Status::Context,
+        "the context holds 512",
+    );
     ok(unsafe { dflash2_session_feed(s, pp, pl, 4) });
 
     // dflash2_session_step
-    expect_err(unsafe { dflash2_session_step(null_mut(), toks.as_mut_ptr(), 4, &mut n, &mut finish) }, Status::NullArg, "session is NULL");
-    expect_err(unsafe { dflash2_session_step(s, null_mut(), 4, &mut n, &mut finish) }, Status::NullArg, "tokens is NULL");
-    expect_err(unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 0, &mut n, &mut finish) }, Status::InvalidArg, "capacity is 0");
-    expect_err(unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 4, null_mut(), &mut finish) }, Status::NullArg, "n_tokens is NULL");
-    expect_err(unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 4, &mut n, null_mut()) }, Status::NullArg, "finish is NULL");
+    expect_err(
+        unsafe { dflash2_session_step(null_mut(), toks.as_mut_ptr(), 4, &mut n, &mut finish) },
+        Status::NullArg,
+        "session is NULL",
+    );
+    expect_err(
+        unsafe { dflash2_session_step(s, null_mut(), 4, &mut n, &mut finish) },
+        Status::NullArg,
+        "tokens is NULL",
+    );
+    expect_err(
+        unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 0, &mut n, &mut finish) },
+        Status::InvalidArg,
+        "capacity is 0",
+    );
+    expect_err(
+        unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 4, null_mut(), &mut finish) },
+        Status::NullArg,
+        "n_tokens is NULL",
+    );
+    expect_err(
+        unsafe { dflash2_session_step(s, toks.as_mut_ptr(), 4, &mut n, null_mut()) },
+        Status::NullArg,
+        "finish is NULL",
+    );
 
     // dflash2_session_generate; a callback that re-enters its own session gets BUSY.
-    expect_err(unsafe { dflash2_session_generate(null_mut(), Some(collect), null_mut()) }, Status::NullArg, "session is NULL");
+    expect_err(
+        unsafe { dflash2_session_generate(null_mut(), Some(collect), null_mut()) },
+        Status::NullArg,
+        "session is NULL",
+    );
     expect_err(unsafe { dflash2_session_generate(s, None, null_mut()) }, Status::NullArg, "callback is NULL");
     let mut probe: (*mut SessionHandle, Option<Status>) = (s, None);
-    ok(unsafe { dflash2_session_generate(s, Some(reenter), (&mut probe as *mut (*mut SessionHandle, Option<Status>)).cast()) });
+    ok(unsafe {
+        dflash2_session_generate(s, Some(reenter), (&mut probe as *mut (*mut SessionHandle, Option<Status>)).cast())
+    });
     assert_eq!(probe.1, Some(Status::Busy));
 
     // dflash2_session_stats / dflash2_session_reset

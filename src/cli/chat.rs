@@ -2,88 +2,35 @@
 //!
 //! Each turn renders the whole conversation with the target's chat template; the engine
 //! reuses the cached prefix, so only the new turn is decoded.
-use crate::capi::Utf8Stream;
-use crate::engine::{self, Engine, EngineConfig, FeatureMode, FinishReason, GenerateOptions, SelectMode, Stats};
+use crate::text::Utf8Stream;
+use crate::engine::{Engine, FinishReason, GenerateOptions, Stats};
 use crate::llama::ChatMessage;
 use rustyline::error::ReadlineError;
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
 pub struct ChatArgs {
-    /// Target model (GGUF).
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
-    /// DFlash / DFlash 2 drafter (GGUF); without it decoding is plain.
-    #[arg(short = 'd', long = "drafter")]
-    pub drafter: Option<PathBuf>,
-    /// System message opening the conversation.
+    #[command(flatten)]
+    pub engine: super::EngineArgs,
+    /// System message at the start of the conversation (kept by /reset).
     #[arg(long)]
     pub system: Option<String>,
-    /// Tokens to generate at most per reply.
+    /// Tokens per reply at most.
     #[arg(short = 'n', long = "n-predict", default_value_t = 1024)]
     pub n_predict: usize,
-    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
-    /// to choose each cycle's length from measured costs (up to the trained block size).
-    #[arg(long, default_value = "auto")]
-    pub block: super::BlockArg,
-    /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
-    #[arg(long, value_enum, default_value_t = SelectMode::Greedy)]
-    pub select: SelectMode,
-    /// Node budget of a token tree (`--select tree`).
-    #[arg(long, default_value_t = 32)]
-    pub tree_budget: usize,
-    /// CPU threads.
-    #[arg(short = 't', long = "threads", default_value_t = engine::default_threads())]
-    pub threads: i32,
-    /// Context size in tokens: the whole conversation must fit.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    pub ctx_size: usize,
-    /// Layers to offload to a GPU (GPU builds only).
-    #[arg(long = "gpu-layers", default_value_t = 999)]
-    pub gpu_layers: i32,
-    /// Where the target's layer inputs come from.
-    #[arg(long, value_enum, default_value_t = FeatureMode::Auto)]
-    pub features: FeatureMode,
-    #[command(flatten)]
-    pub sampling: super::SamplingArgs,
 }
 
 pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
-    let drafter = if args.select == SelectMode::None { None } else { args.drafter.clone() };
-    if args.select != SelectMode::None && drafter.is_none() {
-        anyhow::bail!("--select {:?} needs a drafter (-d DRAFTER.gguf), or use --select none", args.select);
-    }
-    let mut cfg = EngineConfig::new(args.model.clone(), drafter);
-    cfg.n_ctx = args.ctx_size;
-    cfg.n_threads = args.threads;
-    cfg.n_gpu_layers = args.gpu_layers;
-    cfg.features = args.features;
-
-    let spinner = super::loading_spinner("models");
-    let engine = Engine::load(&cfg);
-    spinner.finish_and_clear();
-    let engine = engine?;
+    let engine = args.engine.load()?;
     if engine.model().chat_template().is_none() {
-        anyhow::bail!("{} has no chat template: use `dflash2 generate` for plain completions", args.model.display());
+        anyhow::bail!(
+            "{} has no chat template: use `dflash2 generate` for plain completions",
+            args.engine.model.display()
+        );
     }
-
-    let trained = engine.drafter().map_or(1, |d| d.trained_block());
-    let (block, adaptive) = args.block.resolve(trained);
-    if args.select != SelectMode::None && block < 2 {
-        anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
-    }
-    let opts = GenerateOptions {
-        n_predict: args.n_predict,
-        select: args.select,
-        block,
-        adaptive,
-        tree_budget: args.tree_budget,
-        sampling: args.sampling.params(),
-        ..Default::default()
-    };
+    let opts = args.engine.options(&engine, args.n_predict, Vec::new())?;
 
     // Ctrl-C during a reply stops the reply; at the prompt the terminal is in raw mode, so
     // rustyline reads it as a key instead and no signal arrives.

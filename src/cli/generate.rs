@@ -1,33 +1,19 @@
 //! `dflash2 generate`: one prompt, one completion, optionally as JSON.
-use crate::engine::{self, Engine, EngineConfig, FeatureMode, GenerateOptions, SelectMode};
+use crate::engine::FinishReason;
 use crate::llama::ChatMessage;
+use crate::text::Utf8Stream;
 use std::io::Write;
-use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
-    /// Target model (GGUF).
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
-    /// DFlash / DFlash 2 drafter (GGUF); without it decoding is plain.
-    #[arg(short = 'd', long = "drafter")]
-    pub drafter: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: super::EngineArgs,
     /// The prompt text.
     #[arg(short = 'p', long = "prompt")]
     pub prompt: String,
     /// Tokens to generate at most.
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     pub n_predict: usize,
-    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
-    /// to choose each cycle's length from measured costs (up to the trained block size).
-    #[arg(long, default_value = "auto")]
-    pub block: super::BlockArg,
-    /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
-    #[arg(long, value_enum, default_value_t = SelectMode::Greedy)]
-    pub select: SelectMode,
-    /// Node budget of a token tree (`--select tree`).
-    #[arg(long, default_value_t = 32)]
-    pub tree_budget: usize,
     /// Apply the target's chat template to the prompt (as the user's message).
     #[arg(long)]
     pub chat: bool,
@@ -37,41 +23,13 @@ pub struct GenerateArgs {
     /// Stop when the output contains this text (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// CPU threads.
-    #[arg(short = 't', long = "threads", default_value_t = engine::default_threads())]
-    pub threads: i32,
-    /// Context size in tokens.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    pub ctx_size: usize,
-    /// Layers to offload to a GPU (GPU builds only).
-    #[arg(long = "gpu-layers", default_value_t = 999)]
-    pub gpu_layers: i32,
-    /// Where the target's layer inputs come from.
-    #[arg(long, value_enum, default_value_t = FeatureMode::Auto)]
-    pub features: FeatureMode,
-    #[command(flatten)]
-    pub sampling: super::SamplingArgs,
     /// Print one JSON object with the text, tokens and statistics.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
-    let drafter = if args.select == SelectMode::None { None } else { args.drafter.clone() };
-    if args.select != SelectMode::None && drafter.is_none() {
-        anyhow::bail!("--select {:?} needs a drafter (-d DRAFTER.gguf), or use --select none", args.select);
-    }
-    let mut cfg = EngineConfig::new(args.model.clone(), drafter);
-    cfg.n_ctx = args.ctx_size;
-    cfg.n_threads = args.threads;
-    cfg.n_gpu_layers = args.gpu_layers;
-    cfg.features = args.features;
-
-    let spinner = super::loading_spinner("models");
-    let engine = Engine::load(&cfg);
-    spinner.finish_and_clear();
-    let mut engine = engine?;
-
+    let mut engine = args.engine.load()?;
     let text = if args.chat {
         let mut messages = Vec::new();
         if let Some(s) = &args.system {
@@ -83,47 +41,21 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
     let prompt = engine.model().tokenize(&text, true, args.chat)?;
-
-    let trained = engine.drafter().map_or(1, |d| d.trained_block());
-    let (block, adaptive) = args.block.resolve(trained);
-    if args.select != SelectMode::None && block < 2 {
-        anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
-    }
-    let opts = GenerateOptions {
-        n_predict: args.n_predict,
-        select: args.select,
-        block,
-        adaptive,
-        tree_budget: args.tree_budget,
-        stop: args.stop.clone(),
-        sampling: args.sampling.params(),
-        ..Default::default()
-    };
+    let opts = args.engine.options(&engine, args.n_predict, args.stop.clone())?;
 
     let model = engine.model().clone();
     let mut stdout = std::io::stdout().lock();
-    let stream = !args.json;
-    let mut pending = Vec::new();
+    let mut utf8 = Utf8Stream::default();
     let gen = engine.generate(&prompt, &opts, |tokens| {
-        if stream {
-            // Print whole UTF-8 characters only; a token may end inside one.
-            for &t in tokens {
-                if !model.is_eog(t) {
-                    pending.extend_from_slice(&model.token_bytes(t, false));
-                }
-            }
-            let valid = match std::str::from_utf8(&pending) {
-                Ok(_) => pending.len(),
-                Err(e) => e.valid_up_to(),
-            };
-            let _ = stdout.write_all(&pending[..valid]);
+        if !args.json {
+            let bytes: Vec<u8> = tokens.iter().filter(|&&t| !model.is_eog(t)).flat_map(|&t| model.token_bytes(t, false)).collect();
+            let _ = stdout.write_all(utf8.push(&bytes).as_bytes());
             let _ = stdout.flush();
-            pending.drain(..valid);
         }
         true
     })?;
+    let s = &gen.stats;
     if args.json {
-        let s = &gen.stats;
         let out = serde_json::json!({
             "text": gen.text,
             "tokens": gen.tokens,
@@ -141,14 +73,13 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             "verify_ms": s.verify_ms,
             "host_ms": s.host_ms,
             "total_ms": s.total_ms,
-            "select": args.select,
-            "block": block,
-            "adaptive": adaptive,
+            "select": opts.select,
+            "block": opts.block,
+            "adaptive": opts.adaptive,
         });
         writeln!(stdout, "{out}")?;
     } else {
-        writeln!(stdout)?;
-        let s = &gen.stats;
+        writeln!(stdout, "{}", utf8.finish())?;
         eprintln!(
             "{} tokens, {:.1} tok/s, tau {:.2} ({} cycles), finish: {:?}",
             s.n_generated,
@@ -158,7 +89,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             gen.finish
         );
     }
-    if gen.finish == engine::FinishReason::Context {
+    if gen.finish == FinishReason::Context {
         eprintln!("warning: stopped because the context ({} tokens) is full", engine.n_ctx());
     }
     Ok(())

@@ -118,3 +118,82 @@ impl BlockArg {
         }
     }
 }
+
+/// The engine flags shared by `generate` and `chat` (one definition, one meaning).
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Target model (GGUF).
+    #[arg(short = 'm', long = "model")]
+    pub model: std::path::PathBuf,
+    /// DFlash / DFlash 2 drafter (GGUF); without it decoding is plain.
+    #[arg(short = 'd', long = "drafter")]
+    pub drafter: Option<std::path::PathBuf>,
+    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
+    /// to choose each cycle's length from measured costs (up to the trained block size).
+    #[arg(long, default_value = "auto")]
+    pub block: BlockArg,
+    /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
+    #[arg(long, value_enum, default_value_t = crate::engine::SelectMode::Greedy)]
+    pub select: crate::engine::SelectMode,
+    /// Node budget of a token tree (`--select tree`).
+    #[arg(long, default_value_t = 32)]
+    pub tree_budget: usize,
+    /// CPU threads.
+    #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
+    pub threads: i32,
+    /// Context size in tokens.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Layers to offload to a GPU (GPU builds only).
+    #[arg(long = "gpu-layers", default_value_t = 999)]
+    pub gpu_layers: i32,
+    /// Where the target's layer inputs come from.
+    #[arg(long, value_enum, default_value_t = crate::engine::FeatureMode::Auto)]
+    pub features: crate::engine::FeatureMode,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+impl EngineArgs {
+    /// Load the engine these flags describe (with a spinner while the models load).
+    pub fn load(&self) -> anyhow::Result<crate::engine::Engine> {
+        use crate::engine::SelectMode;
+        let drafter = if self.select == SelectMode::None { None } else { self.drafter.clone() };
+        if self.select != SelectMode::None && drafter.is_none() {
+            anyhow::bail!("--select {:?} needs a drafter (-d DRAFTER.gguf), or use --select none", self.select);
+        }
+        let mut cfg = crate::engine::EngineConfig::new(self.model.clone(), drafter);
+        cfg.n_ctx = self.ctx_size;
+        cfg.n_threads = self.threads;
+        cfg.n_gpu_layers = self.gpu_layers;
+        cfg.features = self.features;
+        let spinner = loading_spinner("models");
+        let engine = crate::engine::Engine::load(&cfg);
+        spinner.finish_and_clear();
+        Ok(engine?)
+    }
+
+    /// Generation options for `engine` (built from these flags).
+    pub fn options(
+        &self,
+        engine: &crate::engine::Engine,
+        n_predict: usize,
+        stop: Vec<String>,
+    ) -> anyhow::Result<crate::engine::GenerateOptions> {
+        let trained = engine.drafter().map_or(1, |d| d.trained_block());
+        let (block, adaptive) = self.block.resolve(trained);
+        if self.select != crate::engine::SelectMode::None && block < 2 {
+            anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
+        }
+        Ok(crate::engine::GenerateOptions {
+            n_predict,
+            select: self.select,
+            block,
+            adaptive,
+            tree_budget: self.tree_budget,
+            stop,
+            sampling: self.sampling.params(),
+            ..Default::default()
+        })
+    }
+}
