@@ -1069,9 +1069,9 @@ mod tests {
     #[test]
     fn stop_strings_are_found_across_token_boundaries() {
         let stops = vec!["\n\n".to_string(), "END".to_string()];
-        // "EN" came with an earlier token, "D" with the new one (from = 5).
+        // "EN" came with an earlier token, "D" with the new one (from = 6).
         assert_eq!(find_stop(b"abc\nEND", 6, &stops), Some((4, "END")));
-        assert_eq!(find_stop(b"abc\n\nx", 5, &stops), Some((3, "\n\n")));
+        assert_eq!(find_stop(b"abc\n\nx", 4, &stops), Some((3, "\n\n")));
         assert_eq!(find_stop(b"abcdef", 3, &stops), None);
         // The earliest match wins.
         assert_eq!(find_stop(b"END\n\n", 0, &stops), Some((0, "END")));
