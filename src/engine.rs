@@ -432,10 +432,12 @@ impl Engine {
             t_end: None,
         };
         run.next = self.prefill(slot, prompt, &mut run.sampler, &mut run.stats)?;
-        run.stats.prefill_ms = ms_since(t_start);
         if speculative && opts.adaptive {
-            self.calibrate(slot, opts.block.max(opts.tree_budget + 1))?;
+            let largest = if opts.select == SelectMode::Tree { opts.tree_budget + 1 } else { opts.block };
+            self.calibrate(slot, largest)?;
         }
+        // Setup ends here: generation speed is measured from now on.
+        run.stats.prefill_ms = ms_since(t_start);
         run.commit(self.target.model(), &[run.next]);
         Ok(run)
     }
@@ -488,7 +490,8 @@ impl Engine {
             let run = &mut *runs[p.run];
             let committed = self.accept_and_commit(p, run)?;
             committed_total += committed.len();
-            drafted_any |= !p.tree.is_empty();
+            // A draft that was not worth verifying still cost a drafter call.
+            drafted_any |= p.lattice.is_some();
             let s = &mut run.stats;
             s.draft_ms += draft_ms;
             s.verify_ms += verify_ms;
