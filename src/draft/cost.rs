@@ -29,8 +29,10 @@ impl Ema {
     }
 }
 
-/// Longest plain stretch between two probes of a drafter that does not pay.
+/// Longest plain stretch between two probes of a drafter that does not pay, at least.
 const MAX_PROBE_INTERVAL: usize = 64;
+/// Probes of a drafter that does not pay may cost this share of plain decoding, at most.
+const PROBE_BUDGET: f64 = 0.02;
 
 #[derive(Debug, Clone, Default)]
 pub struct CostModel {
@@ -140,8 +142,13 @@ impl CostModel {
             self.plain_left -= 1;
             return false;
         }
-        // Probe now, and wait longer before the next probe if this one fails too.
-        self.probe_interval = (self.probe_interval * 2).clamp(4, MAX_PROBE_INTERVAL);
+        // Probe now, and wait longer before the next probe if this one fails too, until
+        // probes cost at most PROBE_BUDGET of the plain steps between them.
+        let budget_interval = match (self.draft_ms.get(), self.verify_cost(1)) {
+            (Some(draft), Some(plain)) => (draft / (plain * PROBE_BUDGET)).ceil() as usize,
+            _ => 0,
+        };
+        self.probe_interval = (self.probe_interval * 2).clamp(4, MAX_PROBE_INTERVAL.max(budget_interval));
         self.plain_left = self.probe_interval;
         true
     }
@@ -225,6 +232,16 @@ mod tests {
             m.record_acceptance(&gains, 0);
         }
         assert_eq!(choose(&m, &[0.9, 0.9]), 0);
+    }
+
+    #[test]
+    fn an_expensive_useless_drafter_is_probed_rarely() {
+        let mut m = model(&[(1, 1.0)]);
+        m.record_draft(10.0); // a draft costs ten plain steps
+        m.record_cycle(1, 1, 11.0);
+        let probes = (0..3000).filter(|_| m.should_draft()).count();
+        // Probe intervals grow to 10 / (1 * 0.02) = 500 steps.
+        assert!(probes <= 14, "{probes} probes in 3000 steps");
     }
 
     #[test]
