@@ -324,6 +324,8 @@ impl Engine {
             n_threads: cfg.n_threads,
             features,
             kv_unified: unified,
+            // Verify batches must reproduce single-token decoding bit for bit.
+            flash_attn: false,
         };
         let target_ctx = Context::new(target, &params, None)?;
         let drafter = match drafter {

@@ -46,6 +46,7 @@ impl Drafter {
             // Its blocks of all sequences go through one decode; numerics of the drafter
             // do not affect what is generated.
             kv_unified: true,
+            flash_attn: true,
         };
         let feature_width = n_layers * target.model().n_embd();
         let mut ctx = Context::new(model, &params, Some(target))?;

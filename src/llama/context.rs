@@ -34,6 +34,10 @@ pub struct ContextParams {
     /// One cache shared by all sequences (cells may belong to several: token trees).
     /// Otherwise each sequence gets its own stream of `n_ctx / n_seq_max` cells.
     pub kv_unified: bool,
+    /// Let llama.cpp use flash attention where it can. Its CPU kernel splits the cache of
+    /// a single-token decode above 256 cells and rounds differently from a multi-token
+    /// decode, so a context whose outputs must not depend on the batch shape turns it off.
+    pub flash_attn: bool,
 }
 
 /// The raw context plus what must outlive it (its model, the capture state the
@@ -85,6 +89,9 @@ impl Context {
         cp.n_ubatch = params.n_batch as u32;
         cp.n_seq_max = params.n_seq_max.max(1) as u32;
         cp.kv_unified = params.kv_unified;
+        if !params.flash_attn {
+            cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        }
         // llama.cpp reserves at least one output row per sequence and by default allows
         // only n_batch (which it clamps to n_ctx): room for both.
         cp.n_outputs_max = params.n_batch.max(params.n_seq_max) as u32;
