@@ -476,13 +476,8 @@ pub unsafe extern "C" fn dflash2_engine_new(params: *const CEngineParams, out: *
 /// See `dflash2_engine_free` in `ffi/dflash2.h`.
 #[no_mangle]
 pub unsafe extern "C" fn dflash2_engine_free(engine: *mut EngineHandle) {
-    guard(|| {
-        if !engine.is_null() {
-            // SAFETY: made by Box::into_raw in dflash2_engine_new, freed once (header contract).
-            drop(unsafe { Box::from_raw(engine) });
-        }
-        Ok(())
-    });
+    // SAFETY: made by Box::into_raw in dflash2_engine_new, freed once (header contract).
+    unsafe { free_handle(engine) }
 }
 
 /// # Safety
@@ -589,10 +584,18 @@ pub unsafe extern "C" fn dflash2_session_new(engine: *const EngineHandle, out: *
 /// See `dflash2_session_free` in `ffi/dflash2.h`.
 #[no_mangle]
 pub unsafe extern "C" fn dflash2_session_free(session: *mut SessionHandle) {
+    // SAFETY: made by Box::into_raw in dflash2_session_new, freed once (header contract).
+    unsafe { free_handle(session) }
+}
+
+/// Free a handle made by `Box::into_raw` (null is allowed and does nothing).
+///
+/// # Safety
+/// `handle` is null or came from `Box::into_raw` and is not used again.
+unsafe fn free_handle<T>(handle: *mut T) {
     guard(|| {
-        if !session.is_null() {
-            // SAFETY: made by Box::into_raw in dflash2_session_new, freed once (header contract).
-            drop(unsafe { Box::from_raw(session) });
+        if !handle.is_null() {
+            drop(unsafe { Box::from_raw(handle) });
         }
         Ok(())
     });

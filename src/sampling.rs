@@ -29,7 +29,7 @@
 use rand::Rng;
 
 /// The user's sampling flags; the defaults are llama.cpp's except the temperature (greedy here).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct SamplingParams {
     pub temperature: f32,
     /// `<= 0` disables.

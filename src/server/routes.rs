@@ -86,16 +86,7 @@ pub async fn props(State(s): Shared) -> Json<Props> {
     Json(Props {
         default_generation_settings: GenerationSettings {
             n_ctx: s.n_ctx(),
-            params: SamplingDefaults {
-                n_predict: -1,
-                temperature: p.temperature,
-                top_k: p.top_k,
-                top_p: p.top_p,
-                min_p: p.min_p,
-                repeat_penalty: p.repeat_penalty,
-                repeat_last_n: p.repeat_last_n,
-                seed: p.seed,
-            },
+            params: SamplingDefaults { n_predict: -1, sampling: p.clone() },
             speculative: Speculative {
                 select: d.select,
                 block: d.block,
@@ -451,7 +442,7 @@ impl Reply {
     }
 
     fn chat(&self, object: &'static str, choice: ChatChoice, g: Option<&Generation>) -> ChatCompletion {
-        ChatCompletion {
+        Completion {
             id: self.id.clone(),
             object,
             created: self.created,
@@ -475,7 +466,7 @@ impl Reply {
     }
 
     fn text(&self, text: String, g: Option<&Generation>) -> TextCompletion {
-        TextCompletion {
+        Completion {
             usage: g.map(Usage::from),
             timings: g.map(|g| Timings::from(&g.stats)),
             ..self.text_piece(text, g.map(|g| finish_reason(g.finish)), None, None)
@@ -489,7 +480,7 @@ impl Reply {
         usage: Option<Usage>,
         timings: Option<Timings>,
     ) -> TextCompletion {
-        TextCompletion {
+        Completion {
             id: self.id.clone(),
             object: "text_completion",
             created: self.created,

@@ -206,19 +206,23 @@ pub fn stop_type(f: FinishReason) -> &'static str {
     }
 }
 
-/// `chat.completion` and `chat.completion.chunk`.
+/// The envelope of OpenAI completions, whole or streamed: `chat.completion`,
+/// `chat.completion.chunk` (choices [`ChatChoice`]) and `text_completion` ([`TextChoice`]).
 #[derive(Debug, Serialize)]
-pub struct ChatCompletion {
+pub struct Completion<C> {
     pub id: String,
     pub object: &'static str,
     pub created: u64,
     pub model: String,
-    pub choices: Vec<ChatChoice>,
+    pub choices: Vec<C>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timings: Option<Timings>,
 }
+
+pub type ChatCompletion = Completion<ChatChoice>;
+pub type TextCompletion = Completion<TextChoice>;
 
 #[derive(Debug, Serialize)]
 pub struct ChatChoice {
@@ -239,20 +243,6 @@ pub struct ChatMessageOut {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
-}
-
-/// `text_completion`, whole or streamed.
-#[derive(Debug, Serialize)]
-pub struct TextCompletion {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<TextChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub timings: Option<Timings>,
 }
 
 #[derive(Debug, Serialize)]
@@ -349,16 +339,12 @@ pub struct GenerationSettings {
     pub speculative: Speculative,
 }
 
+/// The default sampling settings, as llama-server's `/props` shows them.
 #[derive(Debug, Serialize)]
 pub struct SamplingDefaults {
     pub n_predict: i64,
-    pub temperature: f32,
-    pub top_k: i32,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub repeat_penalty: f32,
-    pub repeat_last_n: i32,
-    pub seed: u64,
+    #[serde(flatten)]
+    pub sampling: crate::sampling::SamplingParams,
 }
 
 #[derive(Debug, Serialize)]
