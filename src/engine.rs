@@ -346,10 +346,6 @@ impl Engine {
         self.target.model()
     }
 
-    pub fn has_drafter(&self) -> bool {
-        self.drafter.is_some()
-    }
-
     pub fn drafter(&self) -> Option<&Drafter> {
         self.drafter.as_ref()
     }

@@ -384,6 +384,54 @@ fn tempered_softmax(candidates: &[Candidate], temperature: f32) -> Distribution 
     }
 }
 
+/// The target distribution of one generation plus its seeded random stream: plain and
+/// speculative decoding both pick tokens through it, so both draw from the same p.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: rand_chacha::ChaCha8Rng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        use rand::SeedableRng;
+        let rng = rand_chacha::ChaCha8Rng::seed_from_u64(params.seed);
+        Self { params, rng }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.params.is_greedy()
+    }
+
+    /// Whether the distribution depends on the history (the repetition penalty is on).
+    pub fn uses_history(&self) -> bool {
+        self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0
+    }
+
+    /// p after `history` (only its tail within `repeat_last_n` matters).
+    pub fn distribution(&self, logits: &[f32], history: &[i32]) -> Distribution {
+        let tail = history.len().saturating_sub(self.params.repeat_last_n.max(0) as usize);
+        target_distribution(logits, &history[tail..], &self.params)
+    }
+
+    /// Draw the next token (the argmax when greedy).
+    pub fn pick(&mut self, logits: &[f32], history: &[i32]) -> i32 {
+        let p = self.distribution(logits, history);
+        if self.is_greedy() {
+            p.argmax()
+        } else {
+            p.sample(&mut self.rng)
+        }
+    }
+
+    pub fn rng(&mut self) -> &mut rand_chacha::ChaCha8Rng {
+        &mut self.rng
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -657,53 +705,5 @@ mod tests {
                 }
             }
         }
-    }
-}
-
-/// The target distribution of one generation plus its seeded random stream: plain and
-/// speculative decoding both pick tokens through it, so both draw from the same p.
-pub struct Sampler {
-    params: SamplingParams,
-    rng: rand_chacha::ChaCha8Rng,
-}
-
-impl Sampler {
-    pub fn new(params: SamplingParams) -> Self {
-        use rand::SeedableRng;
-        let rng = rand_chacha::ChaCha8Rng::seed_from_u64(params.seed);
-        Self { params, rng }
-    }
-
-    pub fn params(&self) -> &SamplingParams {
-        &self.params
-    }
-
-    pub fn is_greedy(&self) -> bool {
-        self.params.is_greedy()
-    }
-
-    /// Whether the distribution depends on the history (the repetition penalty is on).
-    pub fn uses_history(&self) -> bool {
-        self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0
-    }
-
-    /// p after `history` (only its tail within `repeat_last_n` matters).
-    pub fn distribution(&self, logits: &[f32], history: &[i32]) -> Distribution {
-        let tail = history.len().saturating_sub(self.params.repeat_last_n.max(0) as usize);
-        target_distribution(logits, &history[tail..], &self.params)
-    }
-
-    /// Draw the next token (the argmax when greedy).
-    pub fn pick(&mut self, logits: &[f32], history: &[i32]) -> i32 {
-        let p = self.distribution(logits, history);
-        if self.is_greedy() {
-            p.argmax()
-        } else {
-            p.sample(&mut self.rng)
-        }
-    }
-
-    pub fn rng(&mut self) -> &mut rand_chacha::ChaCha8Rng {
-        &mut self.rng
     }
 }

@@ -152,15 +152,6 @@ impl CostModel {
         self.plain_left = self.probe_interval;
         true
     }
-
-    /// Predicted and observed acceptance by depth (for diagnostics).
-    pub fn calibration(&self) -> Vec<(f64, f64)> {
-        self.predicted
-            .iter()
-            .zip(&self.observed)
-            .filter_map(|(p, o)| Some((p.get()?, o.get()?)))
-            .collect()
-    }
 }
 
 #[cfg(test)]

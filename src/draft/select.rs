@@ -33,24 +33,6 @@ pub struct BestPath;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TreeBestFirst;
 
-/// A chain sampled step by step from `softmax(scores / temperature)`, for lossless
-/// rejection sampling at temperature > 0. It needs randomness, so it is not a [`Selector`].
-#[derive(Debug, Clone, Copy)]
-pub struct SampledPath {
-    pub temperature: f32,
-}
-
-impl SampledPath {
-    pub fn name(&self) -> &'static str {
-        "sampled-path"
-    }
-
-    /// See [`sample_path`].
-    pub fn sample(&self, lattice: &Lattice, max_nodes: usize, rng: &mut impl Rng) -> DraftTree {
-        sample_path(lattice, max_nodes, self.temperature, rng)
-    }
-}
-
 impl Selector for Greedy {
     fn name(&self) -> &'static str {
         "greedy"

@@ -49,6 +49,12 @@ struct Handle {
     _model: Arc<Model>,
 }
 
+// The handle only carries pointers; every use of the context goes through a `Context`
+// method, and the ones that run it take `&mut self`. The target's handle is shared with its
+// drafter's context only to keep it alive (the engine owns and moves both together).
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
 impl Drop for Handle {
     fn drop(&mut self) {
         // Fields drop after this: the capture and the other context outlive llama_free.
@@ -76,8 +82,6 @@ pub struct Context {
     last_batch_len: usize,
 }
 
-// A context is used by one thread at a time (`&mut self` for everything that runs it).
-unsafe impl Send for Context {}
 
 impl Context {
     /// A context over `model`. A DFlash drafter context passes its target's context as
