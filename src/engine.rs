@@ -155,6 +155,15 @@ pub struct Stats {
     pub redecoded: usize,
     /// Drafter calls (a drafter decode may serve several slots at once).
     pub n_draft_calls: usize,
+    /// Accepted drafts the drafter predicted (sum over verified drafts of the expected
+    /// accepted length from its transition probabilities): calibration against
+    /// `n_draft_accepted`.
+    pub predicted_accepted: f64,
+    /// Verified drafts the target cut short, and how many of those had the target's own
+    /// token among the drafter's candidates at that position: the selection headroom an
+    /// oracle picking among the candidates would have.
+    pub rejections: usize,
+    pub rejected_in_candidates: usize,
     pub prefill_ms: f64,
     pub draft_ms: f64,
     pub verify_ms: f64,
@@ -691,6 +700,16 @@ impl Engine {
         slot.cached.extend_from_slice(&committed);
         committed.push(next);
         run.stats.record_cycle(p.tree.len(), n_acc);
+        if !p.tree.is_empty() {
+            run.stats.predicted_accepted += p.gains.iter().map(|&g| g as f64).sum::<f64>();
+        }
+        if let (Some(l), true) = (&p.lattice, n_acc < p.tree.len()) {
+            run.stats.rejections += 1;
+            let depth = n_acc; // the position the target decided differently
+            if depth < l.n_pos && (0..l.k).any(|c| l.id(depth, c) == next) {
+                run.stats.rejected_in_candidates += 1;
+            }
+        }
         if !p.tree.is_empty() && p.tree.is_chain() {
             self.cost.record_acceptance(&p.gains, n_acc);
         }

@@ -64,6 +64,9 @@ struct ModeResult {
     host_ms: f64,
     total_ms: f64,
     mismatches: usize,
+    predicted: f64,
+    rejections: usize,
+    rejected_in_candidates: usize,
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
@@ -134,6 +137,9 @@ fn record(r: &mut ModeResult, g: &Generation, tps: f64) {
     r.verify_ms += s.verify_ms;
     r.host_ms += s.host_ms;
     r.total_ms += s.total_ms - s.prefill_ms;
+    r.predicted += s.predicted_accepted;
+    r.rejections += s.rejections;
+    r.rejected_in_candidates += s.rejected_in_candidates;
 }
 
 fn read_prompts(args: &BenchArgs, target: &Model) -> anyhow::Result<Vec<Vec<Token>>> {
@@ -199,6 +205,10 @@ fn report(
                 "host_share": r.host_ms / busy,
                 "host_ms_per_cycle": r.host_ms / r.cycles.max(1) as f64,
                 "mismatches": r.mismatches,
+                "predicted_accepted": r.predicted,
+                "observed_accepted": r.accepted,
+                "rejections": r.rejections,
+                "target_token_in_candidates_at_rejection": r.rejected_in_candidates as f64 / r.rejections.max(1) as f64,
                 "samples": r.tps.len(),
             })
         })
@@ -216,11 +226,11 @@ fn report(
         "{n_prompts} prompts x {} runs, {} tokens each, block {block_desc}, temperature {}",
         args.runs, args.n_predict, args.sampling.temperature
     );
-    println!("| mode | tau | accepted/drafted | tok/s (median) | speedup vs none (median) | draft / verify / host time | host ms/cycle | mismatches |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| mode | tau | accepted/drafted | tok/s (median) | speedup vs none (median) | draft / verify / host time | host ms/cycle | accepted: predicted / observed | target token in candidates at rejection | mismatches |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {:.2} | {:.2} | {:.1} | {:.2}x | {:.0}% / {:.0}% / {:.1}% | {:.3} | {} |",
+            "| {} | {:.2} | {:.2} | {:.1} | {:.2}x | {:.0}% / {:.0}% / {:.1}% | {:.3} | {:.0} / {} | {:.0}% | {} |",
             r["select"].as_str().unwrap_or("?"),
             r["tau"].as_f64().unwrap_or(0.0),
             r["acceptance"].as_f64().unwrap_or(0.0),
@@ -230,6 +240,9 @@ fn report(
             100.0 * r["verify_share"].as_f64().unwrap_or(0.0),
             100.0 * r["host_share"].as_f64().unwrap_or(0.0),
             r["host_ms_per_cycle"].as_f64().unwrap_or(0.0),
+            r["predicted_accepted"].as_f64().unwrap_or(0.0),
+            r["observed_accepted"],
+            100.0 * r["target_token_in_candidates_at_rejection"].as_f64().unwrap_or(0.0),
             r["mismatches"],
         );
     }
