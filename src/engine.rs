@@ -27,6 +27,10 @@ pub enum SelectMode {
     BestPath,
     /// A best-first token tree over the candidates, verified in one decode.
     Tree,
+    /// Drafting by llama.cpp's own DFlash driver (its greedy walk, a fixed block): the
+    /// baseline to beat, run through the same verification. Targets with llama.cpp's
+    /// layer extraction only (llama, qwen3, ...).
+    Upstream,
 }
 
 /// Where the target's layer inputs come from.
@@ -551,15 +555,28 @@ impl Engine {
         plans
     }
 
-    /// One drafter decode for every plan that drafts.
+    /// One drafter decode for every plan that drafts (llama.cpp's own driver drafts
+    /// the `upstream` plans, one decode each).
     fn draft(&mut self, plans: &mut [Plan], runs: &mut [&mut Run]) -> Result<()> {
-        let drafting: Vec<usize> = (0..plans.len()).filter(|&i| plans[i].max_draft > 0).collect();
+        let t0 = Instant::now();
+        for p in plans.iter_mut().filter(|p| p.max_draft > 0) {
+            self.flush_features(p.slot)?;
+        }
+        for p in plans.iter_mut() {
+            if p.max_draft == 0 || runs[p.run].opts.select != SelectMode::Upstream {
+                continue;
+            }
+            let drafter = self.drafter.as_mut().expect("speculative runs need a drafter");
+            let tokens = drafter.draft_upstream(&self.target, p.slot as i32, p.last, p.pos0, p.max_draft)?;
+            p.tree = DraftTree::chain(&tokens);
+            p.gains = vec![1.0; tokens.len()];
+            runs[p.run].stats.n_draft_calls += 1;
+        }
+        let drafting: Vec<usize> = (0..plans.len())
+            .filter(|&i| plans[i].max_draft > 0 && runs[plans[i].run].opts.select != SelectMode::Upstream)
+            .collect();
         if drafting.is_empty() {
             return Ok(());
-        }
-        let t0 = Instant::now();
-        for &i in &drafting {
-            self.flush_features(plans[i].slot)?;
         }
         let blocks: Vec<(Token, usize, i32)> =
             drafting.iter().map(|&i| (plans[i].last, plans[i].pos0, plans[i].slot as i32)).collect();
@@ -583,7 +600,7 @@ impl Engine {
         let n = lattice.n_pos;
         let mut tree = if run.sampler.is_greedy() {
             match run.opts.select {
-                SelectMode::None | SelectMode::Greedy => Greedy.select(lattice, n),
+                SelectMode::None | SelectMode::Greedy | SelectMode::Upstream => Greedy.select(lattice, n),
                 SelectMode::BestPath => BestPath.select(lattice, n),
                 SelectMode::Tree if trees => TreeBestFirst.select(lattice, run.opts.tree_budget),
                 SelectMode::Tree => BestPath.select(lattice, n),
@@ -657,15 +674,15 @@ impl Engine {
                     Ok(run.sampler.distribution(self.target.logits(p.row0 + row)?, &self.history))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let lattice = p.lattice.as_ref();
             let temperature = run.sampler.params().temperature;
             let qs: Vec<Vec<(i32, f32)>> = p
                 .tree
                 .nodes
                 .iter()
-                .map(|n| {
-                    let pred = n.parent.map_or(0, |i| p.tree.nodes[i].cand);
-                    proposal(lattice.expect("drafted nodes have a lattice"), n.depth - 1, pred, temperature)
+                .map(|n| match &p.lattice {
+                    Some(l) => proposal(l, n.depth - 1, n.parent.map_or(0, |i| p.tree.nodes[i].cand), temperature),
+                    // llama.cpp's driver drafts greedily: q puts all its mass on the draft.
+                    None => vec![(n.token, 1.0)],
                 })
                 .collect();
             let drafts: Vec<Token> = p.tree.nodes.iter().map(|n| n.token).collect();

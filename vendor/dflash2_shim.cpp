@@ -5,6 +5,11 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama-ext.h"
+#include "common.h"
+#include "log.h"
+#include "speculative.h"
+
+#include <algorithm>
 
 #include <cstdio>
 #include <cstring>
@@ -125,6 +130,67 @@ const float * dflash2_capture_rows(const dflash2_capture * cap, uint32_t i, int6
 
 const char * dflash2_capture_error(const dflash2_capture * cap) {
     return cap->error.empty() ? nullptr : cap->error.c_str();
+}
+
+} // extern "C"
+
+struct dflash2_upstream {
+    common_speculative * spec = nullptr;
+    llama_tokens         prompt; // DFlash ignores it, the driver wants one
+    llama_tokens         result;
+};
+
+extern "C" {
+
+dflash2_upstream * dflash2_upstream_new(llama_context * ctx_tgt, llama_context * ctx_dft, int32_t n_max, uint32_t n_seq) {
+    try {
+        common_params_speculative params;
+        params.types                  = { COMMON_SPECULATIVE_TYPE_DRAFT_DFLASH };
+        params.draft.ctx_tgt          = ctx_tgt;
+        params.draft.ctx_dft          = ctx_dft;
+        params.draft.n_max            = n_max;
+        params.draft.n_min            = 0;
+        params.draft.p_min            = 0.0f;
+        params.draft.backend_sampling = false; // the drafter's logits stay readable for us
+        // common's logger prints straight to the terminal; dflash2 logs through tracing.
+        common_log_pause(common_log_main());
+        auto * u = new dflash2_upstream();
+        u->spec  = common_speculative_init(params, n_seq);
+        if (u->spec == nullptr) {
+            delete u;
+            return nullptr;
+        }
+        return u;
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+void dflash2_upstream_free(dflash2_upstream * u) {
+    if (u != nullptr) {
+        common_speculative_free(u->spec);
+        delete u;
+    }
+}
+
+int32_t dflash2_upstream_draft(dflash2_upstream * u, int32_t seq, llama_token last, int32_t pos0,
+                               int32_t n_max, llama_token * out, int32_t cap) {
+    try {
+        auto & dp = common_speculative_get_draft_params(u->spec, seq);
+        u->result.clear();
+        dp.drafting = true;
+        dp.n_max    = n_max;
+        dp.pos0     = pos0;
+        dp.id_last  = last;
+        dp.prompt   = &u->prompt;
+        dp.result   = &u->result;
+        common_speculative_draft(u->spec);
+        const int32_t n = std::min<int32_t>((int32_t) u->result.size(), cap);
+        std::copy(u->result.begin(), u->result.begin() + n, out);
+        return n;
+    } catch (...) {
+        return -1;
+    }
 }
 
 } // extern "C"

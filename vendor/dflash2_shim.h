@@ -37,6 +37,18 @@ const float *     dflash2_capture_rows(const dflash2_capture * cap, uint32_t i, 
 /* Non-null when a captured tensor had an unexpected shape or layout. */
 const char *      dflash2_capture_error(const dflash2_capture * cap);
 
+/* ---- llama.cpp's own DFlash driver (common/speculative.cpp), as a baseline ----
+ * Drafting only: the block decode and llama.cpp's greedy lattice walk. The caller keeps
+ * the drafter's cache (feature injection, removal of the block's cells). */
+typedef struct dflash2_upstream dflash2_upstream;
+
+dflash2_upstream * dflash2_upstream_new(struct llama_context * ctx_tgt, struct llama_context * ctx_dft, int32_t n_max, uint32_t n_seq);
+void               dflash2_upstream_free(dflash2_upstream * u);
+/* Draft up to n_max tokens after `last` at position pos0 of sequence `seq` into out
+ * (capacity cap); returns how many, or -1 on failure. */
+int32_t            dflash2_upstream_draft(dflash2_upstream * u, int32_t seq, llama_token last, int32_t pos0,
+                                          int32_t n_max, llama_token * out, int32_t cap);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,14 +1,17 @@
 //! The DFlash drafter as llama.cpp runs it: target features are injected into its KV
 //! cache, then one decode of `[last, MASK x (B-1)]` drafts a whole block.
 use super::Lattice;
-use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, Result, Token};
+use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, Result, Token, UpstreamDrafter};
 use std::sync::Arc;
 
 /// Candidates per position read from a DFlash 1 drafter's logits.
 pub const DFLASH1_TOP_K: usize = 8;
 
 pub struct Drafter {
+    /// llama.cpp's own driver over the same contexts, made on first use (`--select upstream`).
+    upstream: Option<UpstreamDrafter>,
     ctx: Context,
+    n_seqs: usize,
     /// K of the DFlash 2 selector; `None` for a DFlash 1 drafter (logits per position).
     selector_k: Option<usize>,
     /// Block size the drafter was trained with (anchor included).
@@ -55,7 +58,9 @@ impl Drafter {
         ctx.set_nextn(true, selector_k.is_none());
         ctx.set_causal_attn(causal);
         Ok(Self {
+            upstream: None,
             ctx,
+            n_seqs,
             selector_k,
             trained_block,
             mask,
@@ -136,6 +141,26 @@ impl Drafter {
                 }
             })
             .collect()
+    }
+
+    /// Draft up to `n_max` tokens after `last` (at `pos0` of `seq`) with llama.cpp's own
+    /// DFlash driver: its block decode and its greedy walk. The baseline to beat.
+    pub fn draft_upstream(&mut self, target: &Context, seq: i32, last: Token, pos0: usize, n_max: usize) -> Result<Vec<Token>> {
+        if !matches!(target.features(), FeatureSource::Native(_)) {
+            return Err(LlamaError::Invalid(format!(
+                "llama.cpp's DFlash driver needs the target's own layer extraction, which {} ({}) lacks",
+                target.model().path(),
+                target.model().architecture()
+            )));
+        }
+        if self.upstream.is_none() {
+            self.upstream = Some(UpstreamDrafter::new(target, &self.ctx, self.trained_block - 1, self.n_seqs)?);
+        }
+        let driver = self.upstream.as_mut().expect("made above");
+        let drafted = driver.draft(seq, last, pos0, n_max);
+        // The driver leaves its block in the cache: only injected features may stay.
+        self.ctx.seq_rm(seq, pos0 as i32, -1)?;
+        drafted
     }
 
     /// Forget everything of sequence `seq` from position `pos` on.

@@ -146,8 +146,30 @@ impl Context {
         self.h.ptr.as_ptr()
     }
 
+    pub(super) fn raw(&self) -> *mut sys::llama_context {
+        self.ptr()
+    }
+
+    /// A second handle on the same llama.cpp context, only to keep it alive.
+    pub(super) fn share(&self) -> Context {
+        Context {
+            h: self.h.clone(),
+            kv_unified: self.kv_unified,
+            n_seq_max: self.n_seq_max,
+            model: self.model.clone(),
+            features: self.features.clone(),
+            n_ctx: self.n_ctx,
+            n_batch: self.n_batch,
+            last_batch_len: 0,
+        }
+    }
+
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    pub fn features(&self) -> &FeatureSource {
+        &self.features
     }
 
     /// Cells of the whole cache.

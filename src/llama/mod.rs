@@ -11,10 +11,12 @@ mod batch;
 mod context;
 mod model;
 mod shim;
+mod upstream;
 
 pub use batch::Batch;
 pub use context::{Context, ContextParams, FeatureSource};
 pub use model::{ChatMessage, Model, ModelParams};
+pub use upstream::UpstreamDrafter;
 
 use std::sync::Once;
 
