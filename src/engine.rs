@@ -717,7 +717,7 @@ impl Engine {
         slot.cached.extend_from_slice(&committed);
         committed.push(next);
         run.stats.record_cycle(p.tree.len(), n_acc);
-        if !p.tree.is_empty() {
+        if p.lattice.is_some() && !p.tree.is_empty() {
             run.stats.predicted_accepted += p.gains.iter().map(|&g| g as f64).sum::<f64>();
         }
         if let (Some(l), true) = (&p.lattice, n_acc < p.tree.len()) {
