@@ -1,5 +1,5 @@
 //! Lossless on real targets from PyPI, each paired with a drafter that `synth --target`
-//! writes for it: SmolLM2 (llama arch, llama.cpp's own feature extraction) and
+//! writes for it: SmolLM2 (llama arch, llama.cpp's own feature extraction; also `upstream`) and
 //! Qwen2.5-Coder (qwen2, features captured by the graph callback).
 mod common;
 
@@ -60,12 +60,12 @@ fn smollm2_speculative_equals_plain() {
     check_target(
         common::SMOLLM2,
         48,
-        &[(SelectMode::Greedy, 16), (SelectMode::Greedy, 4), (SelectMode::BestPath, 8), (SelectMode::Tree, 6)],
+        &[(SelectMode::Greedy, 16), (SelectMode::Greedy, 4), (SelectMode::BestPath, 8), (SelectMode::Tree, 6), (SelectMode::Upstream, 8)],
     );
 }
 
 #[test]
 fn qwen2_coder_speculative_equals_plain() {
     assert!(Path::new(&common::real_model(common::QWEN_05B)).is_file());
-    check_target(common::QWEN_05B, 24, &[(SelectMode::Greedy, 4), (SelectMode::Tree, 4)]);
+    check_target(common::QWEN_05B, 24, &[(SelectMode::Greedy, 4), (SelectMode::BestPath, 4), (SelectMode::Tree, 4)]);
 }
