@@ -428,7 +428,7 @@ impl Engine {
         }
         let speculative = opts.select != SelectMode::None && self.drafter.is_some();
         if speculative && opts.select == SelectMode::Tree && !opts.sampling.is_greedy() {
-            tracing::info!("tree selection samples a single path at temperature > 0");
+            tracing::warn!("--select tree at temperature > 0 drafts a single sampled path (multi-draft rejection sampling is not implemented)");
         }
         let mut run = Run {
             slot,
