@@ -499,14 +499,16 @@ impl Engine {
         for p in &plans {
             let t = Instant::now();
             let run = &mut *runs[p.run];
+            let verify_before = run.stats.verify_ms;
             let committed = self.accept_and_commit(p, run)?;
+            let redecode_ms = run.stats.verify_ms - verify_before;
             committed_total += committed.len();
             // A draft that was not worth verifying still cost a drafter call.
             drafted_any |= p.lattice.is_some();
             let s = &mut run.stats;
             s.draft_ms += draft_ms;
             s.verify_ms += verify_ms;
-            s.host_ms += host_ms + ms_since(t);
+            s.host_ms += host_ms + ms_since(t) - redecode_ms;
             run.next = *committed.last().expect("a cycle commits at least one token");
             let before = run.out.tokens.len();
             run.commit(self.target.model(), &committed);
@@ -707,7 +709,10 @@ impl Engine {
         self.queue_features(p.slot, &rows, p.pos0)?;
         if in_order < n_acc {
             let tail: Vec<Token> = path[in_order..].iter().map(|&i| p.tree.nodes[i].token).collect();
+            let t = Instant::now();
             self.redecode(p.slot, &tail, p.pos0 + 1 + in_order)?;
+            // a target decode: verify time, not host time
+            run.stats.verify_ms += ms_since(t);
             run.stats.redecoded += tail.len();
         }
 

@@ -5,6 +5,7 @@ pub mod sampling;
 pub mod text;
 pub mod verify;
 pub mod engine;
+pub mod dataset;
 pub mod cli;
 pub mod gguf;
 pub mod server;

@@ -3,19 +3,16 @@
 //! Modes run one after another on the same prompt before moving to the next run, so a
 //! slow moment of the machine hits all modes alike; speedups are ratios of runs measured
 //! next to each other. At temperature 0 every mode's tokens are checked against `none`.
-use crate::engine::{Engine, EngineConfig, GenerateOptions, Generation, SelectMode};
+use crate::engine::{Engine, GenerateOptions, Generation, SelectMode};
 use crate::llama::{ChatMessage, Model, ModelParams, Token};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Target model (GGUF).
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
-    /// DFlash / DFlash 2 drafter (GGUF).
-    #[arg(short = 'd', long = "drafter")]
-    pub drafter: PathBuf,
+    /// Target, drafter (required here), threads, context.
+    #[command(flatten)]
+    pub models: super::ModelArgs,
     /// Prompts, one JSON object per line with a "prompt" field.
     #[arg(long)]
     pub prompts: PathBuf,
@@ -42,10 +39,6 @@ pub struct BenchArgs {
     pub chat: bool,
     #[command(flatten)]
     pub sampling: super::SamplingArgs,
-    #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
-    pub threads: i32,
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    pub ctx_size: usize,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -70,18 +63,17 @@ struct ModeResult {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    crate::gguf::check_pair_files(&args.model, &args.drafter)?;
+    let drafter_path = args.models.drafter.clone().ok_or_else(|| anyhow::anyhow!("bench needs a drafter (-d DRAFTER.gguf)"))?;
+    crate::gguf::check_pair_files(&args.models.model, &drafter_path)?;
     let mut modes = vec![SelectMode::None];
     modes.extend(args.select.iter().copied().filter(|&m| m != SelectMode::None));
 
-    let params = ModelParams::default();
+    let params = ModelParams { n_gpu_layers: args.models.gpu_layers };
     let spinner = super::loading_spinner("models");
-    let target = Arc::new(Model::load(&args.model, &params)?);
-    let drafter = Arc::new(Model::load(&args.drafter, &params)?);
+    let target = Arc::new(Model::load(&args.models.model, &params)?);
+    let drafter = Arc::new(Model::load(&drafter_path, &params)?);
     spinner.finish_and_clear();
-    let mut cfg = EngineConfig::new(args.model.clone(), None);
-    cfg.n_ctx = args.ctx_size;
-    cfg.n_threads = args.threads;
+    let cfg = args.models.config(None);
     // `none` gets an engine without a drafter: the true plain baseline.
     let mut plain = Engine::from_models(target.clone(), None, &cfg)?;
     let mut spec = Engine::from_models(target.clone(), Some(drafter.clone()), &cfg)?;

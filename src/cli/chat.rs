@@ -27,7 +27,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     if engine.model().chat_template().is_none() {
         anyhow::bail!(
             "{} has no chat template: use `dflash2 generate` for plain completions",
-            args.engine.model.display()
+            args.engine.models.model.display()
         );
     }
     let opts = args.engine.options(&engine, args.n_predict, Vec::new())?;

@@ -2,6 +2,8 @@
 //! the subcommand's `Args` struct.
 pub mod bench;
 pub mod chat;
+pub mod convert;
+pub mod dataset;
 pub mod generate;
 pub mod inspect;
 pub mod serve;
@@ -30,6 +32,10 @@ pub enum Command {
     Synth(synth::SynthArgs),
     /// Serve OpenAI- and llama-server-compatible HTTP endpoints.
     Serve(serve::ServeArgs),
+    /// Convert a Hugging Face DFlash / DFlash 2 drafter checkpoint to GGUF.
+    Convert(convert::ConvertArgs),
+    /// Read a drafter's training data (features, greedy labels) off the target.
+    Dataset(dataset::DatasetArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -40,6 +46,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Convert(a) => convert::run(a),
+        Command::Dataset(a) => dataset::run(a),
     }
 }
 
@@ -119,25 +127,15 @@ impl BlockArg {
     }
 }
 
-/// The engine flags shared by `generate` and `chat` (one definition, one meaning).
+/// The model flags of every subcommand that runs the engine (one definition, one meaning).
 #[derive(clap::Args, Debug, Clone)]
-pub struct EngineArgs {
+pub struct ModelArgs {
     /// Target model (GGUF).
     #[arg(short = 'm', long = "model")]
     pub model: std::path::PathBuf,
     /// DFlash / DFlash 2 drafter (GGUF); without it decoding is plain.
     #[arg(short = 'd', long = "drafter")]
     pub drafter: Option<std::path::PathBuf>,
-    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
-    /// to choose each cycle's length from measured costs (up to the trained block size).
-    #[arg(long, default_value = "auto")]
-    pub block: BlockArg,
-    /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
-    #[arg(long, value_enum, default_value_t = crate::engine::SelectMode::Greedy)]
-    pub select: crate::engine::SelectMode,
-    /// Node budget of a token tree (`--select tree`).
-    #[arg(long, default_value_t = 32)]
-    pub tree_budget: usize,
     /// CPU threads.
     #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
     pub threads: i32,
@@ -150,6 +148,35 @@ pub struct EngineArgs {
     /// Where the target's layer inputs come from.
     #[arg(long, value_enum, default_value_t = crate::engine::FeatureMode::Auto)]
     pub features: crate::engine::FeatureMode,
+}
+
+impl ModelArgs {
+    /// The engine configuration these flags describe, with `drafter` (or none).
+    pub fn config(&self, drafter: Option<std::path::PathBuf>) -> crate::engine::EngineConfig {
+        let mut cfg = crate::engine::EngineConfig::new(self.model.clone(), drafter);
+        cfg.n_ctx = self.ctx_size;
+        cfg.n_threads = self.threads;
+        cfg.n_gpu_layers = self.gpu_layers;
+        cfg.features = self.features;
+        cfg
+    }
+}
+
+/// The engine flags shared by `generate` and `chat`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    pub models: ModelArgs,
+    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
+    /// to choose each cycle's length from measured costs (up to the trained block size).
+    #[arg(long, default_value = "auto")]
+    pub block: BlockArg,
+    /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
+    #[arg(long, value_enum, default_value_t = crate::engine::SelectMode::Greedy)]
+    pub select: crate::engine::SelectMode,
+    /// Node budget of a token tree (`--select tree`).
+    #[arg(long, default_value_t = 32)]
+    pub tree_budget: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
 }
@@ -158,15 +185,11 @@ impl EngineArgs {
     /// Load the engine these flags describe (with a spinner while the models load).
     pub fn load(&self) -> anyhow::Result<crate::engine::Engine> {
         use crate::engine::SelectMode;
-        let drafter = if self.select == SelectMode::None { None } else { self.drafter.clone() };
+        let drafter = if self.select == SelectMode::None { None } else { self.models.drafter.clone() };
         if self.select != SelectMode::None && drafter.is_none() {
             anyhow::bail!("--select {:?} needs a drafter (-d DRAFTER.gguf), or use --select none", self.select);
         }
-        let mut cfg = crate::engine::EngineConfig::new(self.model.clone(), drafter);
-        cfg.n_ctx = self.ctx_size;
-        cfg.n_threads = self.threads;
-        cfg.n_gpu_layers = self.gpu_layers;
-        cfg.features = self.features;
+        let cfg = self.models.config(drafter);
         let spinner = loading_spinner("models");
         let engine = crate::engine::Engine::load(&cfg);
         spinner.finish_and_clear();

@@ -111,9 +111,12 @@ impl Drafter {
         for &(last, pos0, seq) in blocks {
             for i in 0..n_block {
                 let token = if i == 0 { last } else { self.mask };
-                // DFlash 1 needs the logits of the mask rows; DFlash 2 outputs its lattice
-                // for every row regardless and never needs the raw logits.
-                let output = self.selector_k.is_none() && i > 0;
+                // DFlash 1 reads the logits of the mask rows. llama.cpp's dflash graph
+                // computes logits for every row and hands out the first n_outputs of them
+                // (it has no output-row selection), so every row must ask: asking for the
+                // mask rows only would return the anchor row's logits as position 1's.
+                // DFlash 2 outputs its lattice for every row and never needs the logits.
+                let output = self.selector_k.is_none();
                 self.block_batch.add_token(token, (pos0 + i) as i32, &[seq], output)?;
             }
         }

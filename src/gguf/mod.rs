@@ -5,6 +5,7 @@
 //! The types shared by the reader and the writer live here: metadata values with their exact
 //! GGUF type (so tokenizer metadata can be copied verbatim) and the size table of ggml tensor types.
 
+pub mod convert;
 pub mod read;
 pub mod synth;
 pub mod write;
@@ -148,6 +149,7 @@ pub const GGML_F32: u32 = 0;
 pub const GGML_F16: u32 = 1;
 pub const GGML_Q4_1: u32 = 3;
 pub const GGML_I64: u32 = 27;
+pub const GGML_Q8_0: u32 = 8;
 
 /// Name, elements per block and bytes per block of a ggml tensor type (ggml.c `type_traits`,
 /// block sizes from ggml-common.h of the bundled llama.cpp). `None`: removed or unknown type.

@@ -667,13 +667,7 @@ pub fn synth_for_target(target_path: &Path, out_dir: &Path, seed: u64) -> Result
     let mut target_layers: Vec<i32> = (0..3).map(|k| 1 + k * (l - 2) / 2).collect();
     target_layers.dedup();
 
-    let (mask_id, mask_note) = match info.mask_id {
-        Some(id) => (id, None),
-        None => {
-            let (id, why) = pick_mask(&g, &info)?;
-            (id, Some(why))
-        }
-    };
+    let (mask_id, mask_note) = mask_token(&g, &info)?;
 
     let dims = Dims {
         n_embd,
@@ -712,6 +706,15 @@ pub fn synth_for_target(target_path: &Path, out_dir: &Path, seed: u64) -> Result
     // what was written must pass the same check the engine applies
     check_pair(&info, &read_model_info(&path)?).with_context(|| format!("{} does not pair with its target", path.display()))?;
     Ok(TargetDrafter { path, mask_id, mask_note, target_layers, top_k, rank })
+}
+
+/// The mask token a drafter for this target fills its blocks with: the target's own
+/// `tokenizer.ggml.mask_token_id`, else one picked by [`pick_mask`] (with a note saying which).
+pub fn mask_token(g: &super::Gguf, info: &ModelInfo) -> Result<(u32, Option<String>)> {
+    match info.mask_id {
+        Some(id) => Ok((id, None)),
+        None => pick_mask(g, info).map(|(id, why)| (id, Some(why))),
+    }
 }
 
 /// A mask token for a target without one: a control (or unused) token that is not one of the

@@ -8,7 +8,7 @@
 use std::io;
 use std::path::Path;
 
-use super::{ggml_nbytes, MetaValue, GGML_F16, GGML_F32, GGML_I64, GGML_Q4_1, TYPE_ARRAY};
+use super::{ggml_nbytes, MetaValue, GGML_F16, GGML_F32, GGML_I64, GGML_Q4_1, GGML_Q8_0, TYPE_ARRAY};
 
 const ALIGNMENT: usize = 32;
 
@@ -103,6 +103,27 @@ impl GgufWriter {
             return Err(WriteError::BlockSize { name: name.to_string(), shape: shape.to_vec(), block: QK4_1 as u64 });
         }
         self.add(name, shape, GGML_Q4_1, data.len(), quantize_q4_1(data))
+    }
+
+    /// A Q8_0 tensor (ggml `block_q8_0`: f16 scale, 32 signed bytes), as ggml's
+    /// `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d); `shape[0]` a multiple of 32.
+    pub fn add_q8_0(&mut self, name: &str, shape: &[u64], data: &[f32]) -> Result<(), WriteError> {
+        if shape.first().is_none_or(|&n| n % 32 != 0) {
+            return Err(WriteError::BlockSize { name: name.to_string(), shape: shape.to_vec(), block: 32 });
+        }
+        if data.len() % 32 != 0 {
+            let expected = shape.iter().product::<u64>();
+            return Err(WriteError::ElementCount { name: name.to_string(), shape: shape.to_vec(), expected, got: data.len() });
+        }
+        let mut bytes = Vec::with_capacity(data.len() / 32 * 34);
+        for block in data.chunks_exact(32) {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            bytes.extend_from_slice(&f32_to_f16_bits(d).to_le_bytes());
+            bytes.extend(block.iter().map(|&x| (x * id).round() as i8 as u8));
+        }
+        self.add(name, shape, GGML_Q8_0, data.len(), bytes)
     }
 
     /// An I64 tensor (e.g. `d2t`, draft vocabulary row -> target token id).
@@ -282,6 +303,26 @@ pub fn f32_to_f16_bits(v: f32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn q8_0_blocks_hold_a_scale_and_rounded_values() {
+        let mut w = GgufWriter::new();
+        let data: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) / 8.0).collect();
+        w.add_q8_0("t", &[32, 2], &data).unwrap();
+        let t = &w.tensors[0];
+        assert_eq!(t.bytes.len(), 2 * 34);
+        for (b, block) in data.chunks_exact(32).enumerate() {
+            let raw = &t.bytes[b * 34..(b + 1) * 34];
+            let d = f16_bits_to_f32(u16::from_le_bytes([raw[0], raw[1]]));
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!((d - amax / 127.0).abs() <= 1e-3 * d);
+            for (j, &x) in block.iter().enumerate() {
+                let q = raw[2 + j] as i8 as f32;
+                assert!((q * d - x).abs() <= 0.5 * d + 1e-3, "value {x}: stored {q} x {d}");
+            }
+        }
+        assert!(matches!(w.add_q8_0("u", &[16, 2], &data[..32]), Err(WriteError::BlockSize { .. })));
+    }
 
     #[test]
     fn f16_conversion_matches_known_values() {

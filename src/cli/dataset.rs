@@ -1,0 +1,73 @@
+//! `dflash2 dataset`: a drafter's training data read off the target (see [`crate::dataset`]).
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context as _, Result};
+
+use crate::dataset::{default_layers, Conversation, Extractor};
+use crate::llama::{Model, ModelParams};
+
+#[derive(clap::Args, Debug)]
+pub struct DatasetArgs {
+    /// Target model (GGUF) the drafter is for.
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// Training rows, one JSON object per line: {"prompt", "answer"} (the target's own answer,
+    /// as `gguf-drafters/train/generate_answers.py` writes them) or {"text"} (any text).
+    #[arg(long)]
+    pub conversations: PathBuf,
+    /// Output file (safetensors).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Target layer inputs the drafter reads, as llama.cpp counts them (GGUF
+    /// `dflash.target_layers`); default: --n-features layers spread over the target.
+    #[arg(long, value_delimiter = ',')]
+    pub layers: Option<Vec<i32>>,
+    /// Number of feature layers when --layers is not given.
+    #[arg(long, default_value_t = 5)]
+    pub n_features: usize,
+    /// Longest conversation kept, in tokens (longer ones are cut).
+    #[arg(long, default_value_t = 1024)]
+    pub max_len: usize,
+    #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
+    pub threads: i32,
+}
+
+pub fn run(args: &DatasetArgs) -> Result<()> {
+    let g = crate::gguf::read_gguf(&args.model)?;
+    let info = crate::gguf::ModelInfo::from_gguf(&g)?;
+    let (mask, note) = crate::gguf::synth::mask_token(&g, &info)?;
+    if let Some(note) = note {
+        eprintln!("{note}");
+    }
+    let target = Arc::new(Model::load(&args.model, &ModelParams::default())?);
+    let layers = args.layers.clone().unwrap_or_else(|| default_layers(target.n_layer(), args.n_features));
+    let mut ex = Extractor::new(target, mask, layers.clone(), args.max_len, args.threads)?;
+    let mut data = ex.dataset();
+    let file = std::fs::File::open(&args.conversations)
+        .with_context(|| format!("opening {}", args.conversations.display()))?;
+    let start = std::time::Instant::now();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let c: Conversation = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}: neither {{\"prompt\", \"answer\"}} nor {{\"text\"}}", args.conversations.display(), i + 1))?;
+        ex.add(&c, &mut data)?;
+        if (i + 1) % 50 == 0 {
+            eprintln!("{} conversations, {} tokens, {:.0} s", i + 1, data.n_tokens(), start.elapsed().as_secs_f64());
+        }
+    }
+    let name = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    data.write(&args.out, &name)?;
+    eprintln!(
+        "{} conversations, {} tokens, layers {:?} -> {}",
+        data.n_sequences(),
+        data.n_tokens(),
+        layers,
+        args.out.display()
+    );
+    Ok(())
+}
