@@ -174,8 +174,9 @@ pub struct EngineArgs {
     /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
     #[arg(long, value_enum, default_value_t = crate::engine::SelectMode::Greedy)]
     pub select: crate::engine::SelectMode,
-    /// Node budget of a token tree (`--select tree`).
-    #[arg(long, default_value_t = 32)]
+    /// Node budget of a token tree (`--select tree`); 16 until the mismatch seen with 32
+    /// nodes (BENCHMARKS.md) is found.
+    #[arg(long, default_value_t = 16)]
     pub tree_budget: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
