@@ -89,8 +89,9 @@ fn train(target: &Path, data: &Path, out: &Path, extra: &[&str]) -> Trained {
 }
 
 /// llama.cpp's lattice for the block at `anchor` of sequence `seq` of the dataset, with
-/// the dataset's features of the positions before it injected, as the engine drafts it.
-fn llama_lattice(target: &Path, drafter: &Path, data: &Path, seq: usize, anchor: usize, block: usize) -> Lattice {
+/// the dataset's features of the positions before it injected, as the engine drafts it;
+/// and the anchor token.
+fn llama_lattice(target: &Path, drafter: &Path, data: &Path, seq: usize, anchor: usize, block: usize) -> (Lattice, i64) {
     let bytes = std::fs::read(data).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let ints = |name: &str| -> Vec<i64> {
@@ -123,8 +124,8 @@ fn llama_lattice(target: &Path, drafter: &Path, data: &Path, seq: usize, anchor:
     let tctx = Context::new(target, &params, None).unwrap();
     let mut d = Drafter::new(drafter, &tctx, 1, 2).unwrap();
     d.inject(&rows, 0, 0).unwrap();
-    let anchor_token = tokens[start + anchor] as Token;
-    d.draft(&[(anchor_token, anchor, 0)], block).unwrap().remove(0)
+    let anchor_token = tokens[start + anchor];
+    (d.draft(&[(anchor_token as Token, anchor, 0)], block).unwrap().remove(0), anchor_token)
 }
 
 /// The lattice as a map (position, predecessor id, candidate id) -> score.
@@ -155,21 +156,14 @@ fn compare_with_reference(target: &Path, trained: &Trained, data: &Path, dir: &P
     let r_ids: Vec<Vec<i64>> = serde_json::from_value(reference["ids"].clone()).unwrap();
     let r_scores: Vec<Vec<Vec<f64>>> = serde_json::from_value(reference["scores"].clone()).unwrap();
 
-    let lat = llama_lattice(target, &gguf, data, seq, anchor, block);
+    let (lat, anchor_id) = llama_lattice(target, &gguf, data, seq, anchor, block);
     assert_eq!(lat.n_pos, block - 1);
     assert_eq!(lat.k, r_ids[0].len(), "{kind}: candidates per position");
     let l_ids: Vec<Vec<i64>> = (0..lat.n_pos).map(|t| (0..lat.k).map(|c| lat.id(t, c) as i64).collect()).collect();
     let l_scores: Vec<Vec<Vec<f64>>> = (0..lat.n_pos)
         .map(|t| (0..lat.k).map(|p| lat.score_row(t, p).iter().map(|&x| x as f64).collect()).collect())
         .collect();
-    // the anchor token: the reference's position-0 predecessor
-    let bytes = std::fs::read(data).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let off = st.tensor("offsets").unwrap().data()[seq * 8..seq * 8 + 8].to_vec();
-    let start = i64::from_le_bytes(off.try_into().unwrap()) as usize;
-    let tok = &st.tensor("tokens").unwrap().data()[(start + anchor) * 4..(start + anchor) * 4 + 4];
-    let anchor_id = i32::from_le_bytes(tok.try_into().unwrap()) as i64;
-
+    // the anchor token is the reference's position-0 predecessor
     let r = score_map(&r_ids, &r_scores, anchor_id);
     let l = score_map(&l_ids, &l_scores, anchor_id);
     let scale = r.values().fold(1.0f64, |m, v| m.max(v.abs()));

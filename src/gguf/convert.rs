@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
-use super::read::{check_pair, read_gguf, read_model_info, ModelInfo};
-use super::{GgufWriter, MetaValue};
+use super::read::{read_gguf, ModelInfo};
+use super::GgufWriter;
 
 /// How the converter stores matrices (vectors and conv kernels are always F32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -234,18 +234,9 @@ pub fn convert(dir: &Path, target: &Path, out: &Path, out_type: OutType) -> Resu
     if cfg.hidden_act != "silu" {
         w.set_str(&format!("{arch}.hidden_act"), &cfg.hidden_act)?;
     }
-    w.set("dflash.target_layers", MetaValue::i32_array(target_layers.iter().map(|&l| l as i32)))?;
-    w.set_u32("dflash.block_size", cfg.block_size)?;
-    if let Some((kernel, group, rank, top_k)) = cfg.dflash2 {
-        w.set_u32("dflash.conv_kernel_size", kernel)?;
-        w.set_u32("dflash.conv_group_size", group)?;
-        w.set_u32("dflash.selector_rank", rank)?;
-        w.set_u32("dflash.selector_top_k", top_k)?;
-    }
-    for (key, value) in g.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")) {
-        w.set(key, value.clone())?;
-    }
-    w.set_u32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)?;
+    let layers_i32: Vec<i32> = target_layers.iter().map(|&l| l as i32).collect();
+    w.set_dflash(&layers_i32, cfg.block_size, cfg.dflash2)?;
+    w.set_tokenizer_of(&g, cfg.mask_token_id)?;
 
     // (hf name, gguf name, torch shape it must have)
     let (e, hd) = (cfg.hidden_size, cfg.head_dim);
@@ -351,9 +342,7 @@ pub fn convert(dir: &Path, target: &Path, out: &Path, out_type: OutType) -> Resu
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     }
-    w.write(out).with_context(|| format!("writing {}", out.display()))?;
-    // what was written must pass the same pairing check the engine applies
-    check_pair(&tinfo, &read_model_info(out)?).with_context(|| format!("{} does not pair with its target", out.display()))?;
+    super::write::write_paired_drafter(&w, out, &tinfo)?;
     Ok(Converted { path: out.to_path_buf(), n_tensors: plan.len() + d2t.is_some() as usize, target_layers, draft_vocab })
 }
 

@@ -49,7 +49,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::read::{check_pair, read_gguf, read_model_info, ModelInfo};
+use super::read::{read_gguf, ModelInfo};
 use super::{GgufWriter, MetaValue};
 
 /// Token ids of the synthetic vocabulary's special tokens.
@@ -320,15 +320,8 @@ struct DflashSpec {
 
 impl DflashSpec {
     fn put(&self, w: &mut GgufWriter) -> Result<()> {
-        w.set("dflash.target_layers", MetaValue::i32_array(self.target_layers.iter().copied()))?;
-        w.set_u32("dflash.block_size", self.block_size)?;
-        if let Some((kernel, group, rank, top_k)) = self.dflash2 {
-            w.set_u32("dflash.conv_kernel_size", kernel as u32)?;
-            w.set_u32("dflash.conv_group_size", group as u32)?;
-            w.set_u32("dflash.selector_rank", rank as u32)?;
-            w.set_u32("dflash.selector_top_k", top_k)?;
-        }
-        Ok(())
+        let dflash2 = self.dflash2.map(|(kernel, group, rank, top_k)| (kernel as u32, group as u32, rank as u32, top_k));
+        Ok(w.set_dflash(&self.target_layers, self.block_size, dflash2)?)
     }
 
     /// Every tensor llama.cpp's dflash loader creates for this shape (it rejects extra ones).
@@ -694,17 +687,12 @@ pub fn synth_for_target(target_path: &Path, out_dir: &Path, seed: u64) -> Result
     let target_name = info.name.clone().unwrap_or_else(|| info.architecture.clone());
     w.set_str("general.name", &format!("dflash2 random DFlash 2 drafter for {target_name}"))?;
     spec.put(&mut w)?;
-    for (key, value) in g.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")) {
-        w.set(key, value.clone())?;
-    }
-    w.set_u32("tokenizer.ggml.mask_token_id", mask_id)?;
+    w.set_tokenizer_of(&g, mask_id)?;
     add_tensors(&mut w, &spec.tensors(&dims), Matrices::F16, random_values(seed, |_| 1.0))?;
 
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let path = out_dir.join("drafter-dflash2.gguf");
-    w.write(&path).with_context(|| format!("writing {}", path.display()))?;
-    // what was written must pass the same check the engine applies
-    check_pair(&info, &read_model_info(&path)?).with_context(|| format!("{} does not pair with its target", path.display()))?;
+    super::write::write_paired_drafter(&w, &path, &info)?;
     Ok(TargetDrafter { path, mask_id, mask_note, target_layers, top_k, rank })
 }
 
@@ -757,6 +745,7 @@ fn pick_mask(g: &super::Gguf, info: &ModelInfo) -> Result<(u32, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf::read::{check_pair, read_model_info};
 
     fn tmp(tag: &str) -> PathBuf {
         std::env::temp_dir().join(format!("dflash2-synth-{tag}-{}", std::process::id()))

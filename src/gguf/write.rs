@@ -78,6 +78,34 @@ impl GgufWriter {
         self.set(key, MetaValue::Bool(value))
     }
 
+    /// The `dflash.*` keys of a drafter: the target layer inputs it reads, its trained block
+    /// size and, for DFlash 2, (conv kernel, conv group size, selector rank, selector top-k).
+    pub fn set_dflash(
+        &mut self,
+        target_layers: &[i32],
+        block_size: u32,
+        dflash2: Option<(u32, u32, u32, u32)>,
+    ) -> Result<(), WriteError> {
+        self.set("dflash.target_layers", MetaValue::i32_array(target_layers.iter().copied()))?;
+        self.set_u32("dflash.block_size", block_size)?;
+        if let Some((kernel, group, rank, top_k)) = dflash2 {
+            self.set_u32("dflash.conv_kernel_size", kernel)?;
+            self.set_u32("dflash.conv_group_size", group)?;
+            self.set_u32("dflash.selector_rank", rank)?;
+            self.set_u32("dflash.selector_top_k", top_k)?;
+        }
+        Ok(())
+    }
+
+    /// Every `tokenizer.*` key of `target`, verbatim (a drafter shares its target's
+    /// vocabulary), and the drafter's mask token.
+    pub fn set_tokenizer_of(&mut self, target: &super::Gguf, mask_id: u32) -> Result<(), WriteError> {
+        for (key, value) in target.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")) {
+            self.set(key, value.clone())?;
+        }
+        self.set_u32("tokenizer.ggml.mask_token_id", mask_id)
+    }
+
     /// An F32 tensor; `shape` is in ggml order (ne[0] first, the contiguous dimension).
     pub fn add_f32(&mut self, name: &str, shape: &[u64], data: &[f32]) -> Result<(), WriteError> {
         let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -210,6 +238,15 @@ fn put_value(out: &mut Vec<u8>, value: &MetaValue) {
             }
         }
     }
+}
+
+/// Write a drafter for `target` to `path`, then read it back and apply the pairing check
+/// the engine applies: what is written must load next to its target.
+pub fn write_paired_drafter(w: &GgufWriter, path: &Path, target: &super::ModelInfo) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    w.write(path).with_context(|| format!("writing {}", path.display()))?;
+    super::check_pair(target, &super::read_model_info(path)?)
+        .with_context(|| format!("{} does not pair with its target", path.display()))
 }
 
 /// Q4_1 blocks of `data` (length a multiple of [`QK4_1`]), as ggml's `quantize_row_q4_1_ref`:
