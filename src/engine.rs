@@ -667,7 +667,7 @@ impl Engine {
     /// Verify one plan's rows, keep what the target accepts in both caches, and return
     /// the committed tokens (accepted drafts, then the target's own next token).
     fn accept_and_commit(&mut self, p: &Plan, run: &mut Run) -> Result<Vec<Token>> {
-        let (path, next) = if run.sampler.is_greedy() {
+        let (mut path, mut next) = if run.sampler.is_greedy() {
             self.accept_greedy(p, &run.sampler)?
         } else {
             let ps = (0..=p.tree.len())
@@ -696,25 +696,26 @@ impl Engine {
                 ((0..r.n_accepted).collect::<Vec<_>>(), r.next)
             }
         };
-        let n_acc = path.len();
-
         // The target keeps `last` and the accepted path, the drafter receives their
         // features; everything else leaves both caches.
         self.commit_target(p, &path)?;
-        // Nodes laid out after a rejected branch sit in cells behind free ones; later
-        // tokens would fill those first and the cache would no longer be in position
-        // order, which changes llama.cpp's attention rounding. Decode that tail again.
+        // The principal branch (laid out first) sits in cells right after the anchor, in
+        // position order, exactly as plain decoding would have put it.
         let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();
         let rows: Vec<usize> = std::iter::once(p.row0).chain(path[..in_order].iter().map(|&i| p.row0 + i + 1)).collect();
         self.queue_features(p.slot, &rows, p.pos0)?;
-        if in_order < n_acc {
-            let tail: Vec<Token> = path[in_order..].iter().map(|&i| p.tree.nodes[i].token).collect();
+        if in_order < path.len() {
+            debug_assert!(run.sampler.is_greedy(), "trees are verified greedily");
             let t = Instant::now();
-            self.redecode(p.slot, &tail, p.pos0 + 1 + in_order)?;
+            let tail = path.split_off(in_order);
+            let (kept, bonus) = self.redecode_branch(p, &tail, &run.sampler)?;
+            path.extend_from_slice(&tail[..kept]);
+            next = bonus;
             // a target decode: verify time, not host time
             run.stats.verify_ms += ms_since(t);
             run.stats.redecoded += tail.len();
         }
+        let n_acc = path.len();
 
         let slot = &mut self.slots[p.slot];
         slot.cached.push(p.last);
@@ -782,18 +783,48 @@ impl Engine {
         Ok(())
     }
 
-    /// Decode `tokens` again as a path at `pos0..` of `slot` (after dropping their cells)
-    /// and queue their features for the drafter.
-    fn redecode(&mut self, slot: usize, tokens: &[Token], pos0: usize) -> Result<()> {
-        let seq = slot as i32;
+    /// Decode an accepted side branch `tail` (node indices, below the principal part of
+    /// the path) again as a plain path right after that part, and verify it once more on
+    /// the new rows. Its tree rows attended to ancestors in scattered cells, which
+    /// llama.cpp's attention sums in another order than plain decoding does, so only its
+    /// first node (accepted on an in-order row) is certain; and its cells sat behind free
+    /// ones, out of position order. The re-decoded rows round exactly as plain decoding.
+    /// Returns how many nodes of `tail` the target confirms and its next token after them.
+    fn redecode_branch(&mut self, p: &Plan, tail: &[usize], sampler: &Sampler) -> Result<(usize, Token)> {
+        let seq = p.slot as i32;
+        let pos0 = p.pos0 + p.tree.nodes[tail[0]].depth;
         self.target.seq_rm(seq, pos0 as i32, -1)?;
         self.batch.clear();
-        for (i, &t) in tokens.iter().enumerate() {
-            self.batch.add_token(t, (pos0 + i) as i32, &[seq], false)?;
+        for (i, &node) in tail.iter().enumerate() {
+            self.batch.add_token(p.tree.nodes[node].token, (pos0 + i) as i32, &[seq], true)?;
         }
         self.target.decode(&self.batch, "re-decode of an accepted branch")?;
-        let rows: Vec<usize> = (0..tokens.len()).collect();
-        self.queue_features(slot, &rows, pos0)
+        let mut history = std::mem::take(&mut self.history);
+        // the last row always ends the loop: no node follows it
+        let mut confirmed: Result<(usize, Token)> = Ok((tail.len(), 0));
+        for (row, &node) in tail.iter().enumerate() {
+            fill_row_history(&mut history, &self.slots[p.slot].cached, p.last, &p.tree, node + 1, sampler);
+            let predicted = match self.target.logits(row) {
+                Ok(l) => sampler.distribution(l, &history).argmax(),
+                Err(e) => {
+                    confirmed = Err(e.into());
+                    break;
+                }
+            };
+            if tail.get(row + 1).map(|&child| p.tree.nodes[child].token) != Some(predicted) {
+                confirmed = Ok((row + 1, predicted));
+                break;
+            }
+        }
+        self.history = history;
+        let (kept, next) = confirmed?;
+        if kept < tail.len() {
+            tracing::debug!(kept, drafted = tail.len(), "a side branch accepted on scattered cells was cut by its re-decode");
+            self.target.seq_rm(seq, (pos0 + kept) as i32, -1)?;
+        }
+        let rows: Vec<usize> = (0..kept).collect();
+        self.queue_features(p.slot, &rows, pos0)?;
+        Ok((kept, next))
     }
 
     /// Decode the part of `prompt` not already cached in `slot`; returns the first
