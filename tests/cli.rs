@@ -71,11 +71,16 @@ fn a_drafter_for_another_target_is_refused_before_loading() {
 }
 
 #[test]
-fn speculative_modes_need_a_drafter() {
+fn speculative_modes_need_a_drafter_and_plain_is_the_default_without_one() {
     let target = path("target.gguf");
     let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--select", "greedy"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs a drafter"));
+    // Without --select and without a drafter, decoding is plain, as in llama.cpp.
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "-n", "4", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["select"], "none");
 }
 
 #[test]

@@ -29,7 +29,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "auto")]
     pub block: super::BlockArg,
     /// Node budget of token trees.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 32)]
     pub tree_budget: usize,
     /// Runs of every (prompt, mode) pair; medians are over all of them.
     #[arg(long, default_value_t = 3)]

@@ -162,22 +162,51 @@ impl ModelArgs {
     }
 }
 
+/// How each cycle drafts: flags of `generate`, `chat` and `serve` (its request defaults).
+#[derive(clap::Args, Debug, Clone)]
+pub struct DraftArgs {
+    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
+    /// to choose each cycle's length from measured costs (up to the trained block size).
+    #[arg(long, default_value = "auto")]
+    pub block: BlockArg,
+    /// How drafts are picked from the drafter's candidates (default: `greedy` with a
+    /// drafter, `none` (plain decoding) without one).
+    #[arg(long, value_enum)]
+    pub select: Option<crate::engine::SelectMode>,
+    /// Node budget of a token tree (`--select tree`).
+    #[arg(long, default_value_t = 32)]
+    pub tree_budget: usize,
+}
+
+impl DraftArgs {
+    /// The selection mode given whether a drafter was named: a mode that drafts needs one.
+    pub fn select(&self, has_drafter: bool) -> anyhow::Result<crate::engine::SelectMode> {
+        use crate::engine::SelectMode;
+        match (self.select, has_drafter) {
+            (None, true) => Ok(SelectMode::Greedy),
+            (None, false) | (Some(SelectMode::None), _) => Ok(SelectMode::None),
+            (Some(s), true) => Ok(s),
+            (Some(s), false) => anyhow::bail!("--select {s:?} needs a drafter (-d DRAFTER.gguf), or use --select none"),
+        }
+    }
+
+    /// (block, adaptive) for an engine whose drafter was trained with `trained` blocks.
+    pub fn block(&self, select: crate::engine::SelectMode, trained: usize) -> anyhow::Result<(usize, bool)> {
+        let (block, adaptive) = self.block.resolve(trained);
+        if select != crate::engine::SelectMode::None && block < 2 {
+            anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
+        }
+        Ok((block, adaptive))
+    }
+}
+
 /// The engine flags shared by `generate` and `chat`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EngineArgs {
     #[command(flatten)]
     pub models: ModelArgs,
-    /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
-    /// to choose each cycle's length from measured costs (up to the trained block size).
-    #[arg(long, default_value = "auto")]
-    pub block: BlockArg,
-    /// How drafts are picked from the drafter's candidates (`none`: plain decoding).
-    #[arg(long, value_enum, default_value_t = crate::engine::SelectMode::Greedy)]
-    pub select: crate::engine::SelectMode,
-    /// Node budget of a token tree (`--select tree`); 16 until the mismatch seen with 32
-    /// nodes (BENCHMARKS.md) is found.
-    #[arg(long, default_value_t = 16)]
-    pub tree_budget: usize,
+    #[command(flatten)]
+    pub draft: DraftArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
 }
@@ -185,11 +214,8 @@ pub struct EngineArgs {
 impl EngineArgs {
     /// Load the engine these flags describe (with a spinner while the models load).
     pub fn load(&self) -> anyhow::Result<crate::engine::Engine> {
-        use crate::engine::SelectMode;
-        let drafter = if self.select == SelectMode::None { None } else { self.models.drafter.clone() };
-        if self.select != SelectMode::None && drafter.is_none() {
-            anyhow::bail!("--select {:?} needs a drafter (-d DRAFTER.gguf), or use --select none", self.select);
-        }
+        let select = self.draft.select(self.models.drafter.is_some())?;
+        let drafter = if select == crate::engine::SelectMode::None { None } else { self.models.drafter.clone() };
         let cfg = self.models.config(drafter);
         let spinner = loading_spinner("models");
         let engine = crate::engine::Engine::load(&cfg);
@@ -204,17 +230,14 @@ impl EngineArgs {
         n_predict: usize,
         stop: Vec<String>,
     ) -> anyhow::Result<crate::engine::GenerateOptions> {
-        let trained = engine.drafter().map_or(1, |d| d.trained_block());
-        let (block, adaptive) = self.block.resolve(trained);
-        if self.select != crate::engine::SelectMode::None && block < 2 {
-            anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
-        }
+        let select = self.draft.select(engine.drafter().is_some())?;
+        let (block, adaptive) = self.draft.block(select, engine.drafter().map_or(1, |d| d.trained_block()))?;
         Ok(crate::engine::GenerateOptions {
             n_predict,
-            select: self.select,
+            select,
             block,
             adaptive,
-            tree_budget: self.tree_budget,
+            tree_budget: self.draft.tree_budget,
             stop,
             sampling: self.sampling.params(),
             ..Default::default()
