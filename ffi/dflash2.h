@@ -45,6 +45,11 @@
  *     session's own callback) fails with DFLASH2_ERR_BUSY instead of racing.
  *   - Freeing a handle while another thread uses it is undefined behaviour.
  *   - dflash2_last_error is per thread.
+ *   - Speed on CPU: llama.cpp computes on OpenMP, and every thread that decoded, or loaded
+ *     the models (weights are repacked in parallel), keeps a team of n_threads - 1 workers.
+ *     Once those outnumber the cores, libgomp stops spinning at its barriers and decoding
+ *     slows several-fold (5x measured with 2 teams on 2 cores). Load the engine and run
+ *     its sessions on one thread, or keep the teams' threads within the cores.
  *
  * TEXT
  *   All strings are UTF-8. Input strings are NUL-terminated unless a length is passed.

@@ -1,7 +1,7 @@
 //! `dflash2 serve`: the HTTP server (OpenAI and llama-server endpoints).
-use crate::engine::{Engine, EngineConfig, SelectMode};
+use crate::engine::SelectMode;
 use crate::server::metrics::Metrics;
-use crate::server::scheduler::{Scheduler, SlotModels};
+use crate::server::scheduler::Scheduler;
 use crate::server::{self, AppState, Defaults};
 use std::io::Write;
 use std::path::Path;
@@ -48,15 +48,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let drafter = if select == SelectMode::None { None } else { args.models.drafter.clone() };
     let cfg = args.models.config(drafter.clone());
 
-    let spinner = super::loading_spinner("models");
-    let models = load_models(&cfg);
-    spinner.finish_and_clear();
-    let models = models?;
-    let target = models.target.clone();
-
     let metrics = Arc::new(Metrics::default());
     let queue = args.queue.unwrap_or(4 * args.parallel);
-    let scheduler = Scheduler::start(models, args.parallel, queue, metrics.clone())?;
+    let spinner = super::loading_spinner("models");
+    let scheduler = Scheduler::start(cfg, args.parallel, queue, metrics.clone());
+    spinner.finish_and_clear();
+    let scheduler = scheduler?;
+    let target = scheduler.info().target.clone();
     let (block, adaptive) = args.draft.block(select, scheduler.info().trained_block.unwrap_or(1))?;
     let state = Arc::new(AppState {
         scheduler,
@@ -78,13 +76,6 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         server::serve(listener, router).await?;
         anyhow::Ok(())
     })
-}
-
-/// Load the models once, for every slot to share; the files are checked first (readable
-/// GGUF, a drafter that pairs with the target) so a bad file is an error, not an abort.
-fn load_models(cfg: &EngineConfig) -> anyhow::Result<SlotModels> {
-    let (target, drafter) = Engine::load_models(cfg)?;
-    Ok(SlotModels { target, drafter, cfg: cfg.clone() })
 }
 
 fn file_name(p: &Path) -> String {

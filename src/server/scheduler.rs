@@ -3,6 +3,11 @@
 //! requests together, each cycle drafting every block in ONE drafter decode and
 //! verifying them in ONE target decode. New requests join between cycles (continuous
 //! batching) from a bounded queue; each answers through a channel of its own.
+//!
+//! The engine thread also loads the models: llama.cpp's CPU backend runs on OpenMP, and
+//! a second thread that ever ran a parallel region (the weight repacking at load time
+//! does) keeps an OpenMP team alive. With more OpenMP threads than cores, libgomp stops
+//! spinning at its barriers and every op waits for a wake-up: decoding ran 5x slower.
 use super::metrics::{Busy, Metrics};
 use crate::engine::{self, Engine, EngineConfig, GenerateOptions, Generation, Run};
 use crate::llama::{Model, Token};
@@ -38,22 +43,31 @@ pub enum GenEvent {
 pub struct QueueFull;
 
 /// What the engine thread needs to build (and rebuild) its engine.
-#[derive(Clone)]
-pub struct SlotModels {
-    pub target: Arc<Model>,
-    pub drafter: Option<Arc<Model>>,
-    pub cfg: EngineConfig,
+struct SlotModels {
+    target: Arc<Model>,
+    drafter: Option<Arc<Model>>,
+    cfg: EngineConfig,
 }
 
 impl SlotModels {
+    /// Load the models once, for every slot to share; the files are checked first
+    /// (readable GGUF, a drafter that pairs with the target), so a bad file is an error,
+    /// not an abort.
+    fn load(cfg: EngineConfig) -> engine::Result<Self> {
+        let (target, drafter) = Engine::load_models(&cfg)?;
+        Ok(Self { target, drafter, cfg })
+    }
+
     fn engine(&self) -> engine::Result<Engine> {
         Engine::from_models(self.target.clone(), self.drafter.clone(), &self.cfg)
     }
 }
 
 /// Facts about the engine, read once it is built.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct SlotInfo {
+    /// The target, for chat templates and tokenizing (read-only, shared with the engine).
+    pub target: Arc<Model>,
     /// Context of each slot, as llama.cpp made it.
     pub n_ctx: usize,
     /// Block size the drafter was trained with, if there is a drafter.
@@ -74,21 +88,22 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Start the engine thread with `slots` concurrent requests behind a queue of `queue`
-    /// waiting ones; returns once the engine is built, or with its failure.
-    pub fn start(mut models: SlotModels, slots: usize, queue: usize, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+    /// Start the engine thread, which loads the models of `cfg`, with `slots` concurrent
+    /// requests behind a queue of `queue` waiting ones; returns once the engine is built,
+    /// or with its failure.
+    pub fn start(mut cfg: EngineConfig, slots: usize, queue: usize, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
         anyhow::ensure!(slots >= 1 && queue >= 1, "need at least one slot and one queue place");
-        models.cfg.n_slots = slots;
+        cfg.n_slots = slots;
         let (tx, rx) = mpsc::channel::<Job>(queue);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let worker = std::thread::Builder::new().name("dflash2-engine".into()).spawn(move || {
-            if let Some(worker) = Worker::build(models, metrics, ready_tx) {
+            if let Some(worker) = Worker::build(cfg, metrics, ready_tx) {
                 worker.serve(rx);
             }
         })?;
         let info = match ready_rx.recv() {
             Ok(Ok(i)) => i,
-            Ok(Err(e)) => anyhow::bail!("cannot build the engine: {e}"),
+            Ok(Err(e)) => anyhow::bail!("{e}"),
             Err(_) => anyhow::bail!("the engine thread died while building its engine"),
         };
         Ok(Self { queue: Some(tx), worker: Some(worker), slots, info })
@@ -111,8 +126,8 @@ impl Scheduler {
         self.slots
     }
 
-    pub fn info(&self) -> SlotInfo {
-        self.info
+    pub fn info(&self) -> &SlotInfo {
+        &self.info
     }
 }
 
@@ -145,20 +160,30 @@ struct Worker {
 
 impl Worker {
     fn build(
-        models: SlotModels,
+        cfg: EngineConfig,
         metrics: Arc<Metrics>,
         ready: std::sync::mpsc::Sender<Result<SlotInfo, String>>,
     ) -> Option<Self> {
+        let models = match SlotModels::load(cfg) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = ready.send(Err(e.to_string()));
+                return None;
+            }
+        };
         match models.engine() {
             Ok(engine) => {
-                let info =
-                    SlotInfo { n_ctx: engine.n_ctx(), trained_block: engine.drafter().map(|d| d.trained_block()) };
+                let info = SlotInfo {
+                    target: models.target.clone(),
+                    n_ctx: engine.n_ctx(),
+                    trained_block: engine.drafter().map(|d| d.trained_block()),
+                };
                 let _ = ready.send(Ok(info));
                 let slots = (0..engine.n_slots()).map(|_| None).collect();
                 Some(Self { models, metrics, engine: Some(engine), slots })
             }
             Err(e) => {
-                let _ = ready.send(Err(e.to_string()));
+                let _ = ready.send(Err(format!("cannot build the engine: {e}")));
                 None
             }
         }
