@@ -54,13 +54,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let scheduler = Scheduler::start(cfg, args.parallel, queue, metrics.clone());
     spinner.finish_and_clear();
     let scheduler = scheduler?;
-    let target = scheduler.info().target.clone();
     let (block, adaptive) = args.draft.block(select, scheduler.info().trained_block.unwrap_or(1))?;
     let state = Arc::new(AppState {
         scheduler,
         metrics,
         model_id: args.alias.clone().unwrap_or_else(|| file_name(&args.models.model)),
-        model: target,
         drafter_path: drafter.map(|d| d.display().to_string()),
         api_key: args.api_key.clone(),
         defaults: Defaults { select, block, adaptive, tree_budget: args.draft.tree_budget, sampling: args.sampling.params() },

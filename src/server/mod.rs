@@ -34,8 +34,6 @@ pub struct Defaults {
 pub struct AppState {
     pub scheduler: Scheduler,
     pub metrics: Arc<Metrics>,
-    /// The target, for chat templates and tokenizing (read-only, shared with the slots).
-    pub model: Arc<Model>,
     /// The name clients pass as `model`.
     pub model_id: String,
     pub drafter_path: Option<String>,
@@ -44,6 +42,11 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The target, for chat templates and tokenizing (read-only, shared with the engine).
+    pub fn model(&self) -> &Arc<Model> {
+        &self.scheduler.info().target
+    }
+
     pub fn n_ctx(&self) -> usize {
         self.scheduler.info().n_ctx
     }

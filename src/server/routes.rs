@@ -76,7 +76,7 @@ pub async fn models(State(s): Shared) -> Json<ModelList> {
             object: "model",
             created: now(),
             owned_by: "dflash2",
-            meta: ModelMeta { n_vocab: s.model.n_vocab(), n_ctx: s.n_ctx(), drafter: s.drafter_path.clone() },
+            meta: ModelMeta { n_vocab: s.model().n_vocab(), n_ctx: s.n_ctx(), drafter: s.drafter_path.clone() },
         }],
     })
 }
@@ -95,9 +95,9 @@ pub async fn props(State(s): Shared) -> Json<Props> {
             },
         },
         total_slots: s.scheduler.slots(),
-        model_path: s.model.path().to_string(),
+        model_path: s.model().path().to_string(),
         drafter_path: s.drafter_path.clone(),
-        chat_template: s.model.chat_template(),
+        chat_template: s.model().chat_template(),
         build_info: format!("dflash2 {}", env!("CARGO_PKG_VERSION")),
     })
 }
@@ -108,7 +108,7 @@ pub async fn metrics(State(s): Shared) -> impl IntoResponse {
 }
 
 pub async fn tokenize(State(s): Shared, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Json<Tokens>, ApiError> {
-    let model = s.model.clone();
+    let model = s.model().clone();
     let tokens = blocking(move || {
         let ids = model.tokenize(&req.content, req.add_special, req.parse_special)?;
         Ok(ids
@@ -128,8 +128,8 @@ fn piece(bytes: Vec<u8>) -> Piece {
 }
 
 pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeRequest>) -> Result<Json<Content>, ApiError> {
-    let ids = token_ids(&s.model, &req.tokens)?;
-    Ok(Json(Content { content: s.model.detokenize(&ids, true) }))
+    let ids = token_ids(s.model(), &req.tokens)?;
+    Ok(Json(Content { content: s.model().detokenize(&ids, true) }))
 }
 
 pub async fn chat(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
@@ -137,7 +137,7 @@ pub async fn chat(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Resul
     one_choice(req.n)?;
     let opts = options(&s, req.sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     let messages = chat_messages(req.messages)?;
-    let model = s.model.clone();
+    let model = s.model().clone();
     let prompt = blocking(move || model.tokenize(&model.apply_chat_template(&messages, true)?, true, true)).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let reply = Reply::new(&s, "chatcmpl", Shape::Chat { include_usage });
@@ -161,7 +161,7 @@ pub async fn llama_completion(
     // -1 is llama-server's "no limit": up to the end of the context.
     let opts = options(&s, req.sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
-    let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone(), model: s.model.clone() };
+    let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone(), model: s.model().clone() };
     generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), req.stream.unwrap_or(false)).await
 }
 
@@ -288,12 +288,12 @@ fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiEr
 
 async fn prompt_tokens(s: &AppState, prompt: Prompt) -> Result<Vec<Token>, ApiError> {
     let text = match prompt {
-        Prompt::Tokens(ids) => return token_ids(&s.model, &ids),
+        Prompt::Tokens(ids) => return token_ids(s.model(), &ids),
         Prompt::Text(t) => t,
         Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
         Prompt::Texts(v) => return Err(invalid(format!("{} prompts: send one prompt per request", v.len()))),
     };
-    let model = s.model.clone();
+    let model = s.model().clone();
     blocking(move || model.tokenize(&text, true, true)).await
 }
 

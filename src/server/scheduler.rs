@@ -164,15 +164,12 @@ impl Worker {
         metrics: Arc<Metrics>,
         ready: std::sync::mpsc::Sender<Result<SlotInfo, String>>,
     ) -> Option<Self> {
-        let models = match SlotModels::load(cfg) {
-            Ok(m) => m,
-            Err(e) => {
-                let _ = ready.send(Err(e.to_string()));
-                return None;
-            }
-        };
-        match models.engine() {
-            Ok(engine) => {
+        let built = SlotModels::load(cfg).map_err(|e| e.to_string()).and_then(|models| match models.engine() {
+            Ok(engine) => Ok((models, engine)),
+            Err(e) => Err(format!("cannot build the engine: {e}")),
+        });
+        match built {
+            Ok((models, engine)) => {
                 let info = SlotInfo {
                     target: models.target.clone(),
                     n_ctx: engine.n_ctx(),
@@ -183,7 +180,7 @@ impl Worker {
                 Some(Self { models, metrics, engine: Some(engine), slots })
             }
             Err(e) => {
-                let _ = ready.send(Err(format!("cannot build the engine: {e}")));
+                let _ = ready.send(Err(e));
                 None
             }
         }
