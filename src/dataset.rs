@@ -141,7 +141,7 @@ impl Extractor {
                 out.next.push(crate::draft::lattice::argmax(self.ctx.logits(r)?) as i32);
             }
         }
-        out.tokens.extend(tokens.iter().map(|&t| t as i32));
+        out.tokens.extend_from_slice(&tokens);
         out.answer_start.push(base + answer_start as i64);
         out.offsets.push(out.tokens.len() as i64);
         Ok(tokens.len())

@@ -6,11 +6,11 @@
 //! one token per target step: the baseline every speculative mode must reproduce.
 use crate::draft::cost::CostModel;
 use crate::draft::drafter::Drafter;
-use crate::draft::select::{proposal, sample_path, BestPath, Greedy, Selector, TreeBestFirst};
+use crate::draft::select::{proposal, sample_draft, BestPath, Greedy, Selector, TreeBestFirst};
 use crate::draft::{lattice, DraftTree};
 use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
-use crate::sampling::{Sampler, SamplingParams};
-use crate::verify::{accept_greedy, rejection::verify_chain};
+use crate::sampling::{Distribution, Sampler, SamplingParams};
+use crate::verify::{accept_greedy, verify_tree};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -427,9 +427,6 @@ impl Engine {
             return Err(EngineError::PromptTooLong { n_prompt: prompt.len(), n_ctx: self.n_ctx() });
         }
         let speculative = opts.select != SelectMode::None && self.drafter.is_some();
-        if speculative && opts.select == SelectMode::Tree && !opts.sampling.is_greedy() {
-            tracing::warn!("--select tree at temperature > 0 drafts a single sampled path (multi-draft rejection sampling is not implemented)");
-        }
         let mut run = Run {
             slot,
             opts: opts.clone(),
@@ -608,9 +605,11 @@ impl Engine {
                 SelectMode::Tree => BestPath.select(lattice, n),
             }
         } else {
-            // Rejection sampling needs drafts drawn from q: a sampled path.
+            // Rejection sampling needs drafts drawn from q.
             let temperature = run.sampler.params().temperature;
-            sample_path(lattice, n, temperature, run.sampler.rng())
+            let branch = run.opts.select == SelectMode::Tree && trees;
+            let budget = if branch { run.opts.tree_budget } else { n };
+            sample_draft(lattice, budget, temperature, branch, run.sampler.rng())
         };
         let gains = tree_gains(&tree);
         if run.opts.adaptive {
@@ -670,12 +669,6 @@ impl Engine {
         let (mut path, mut next) = if run.sampler.is_greedy() {
             self.accept_greedy(p, &run.sampler)?
         } else {
-            let ps = (0..=p.tree.len())
-                .map(|row| {
-                    fill_row_history(&mut self.history, &self.slots[p.slot].cached, p.last, &p.tree, row, &run.sampler);
-                    Ok(run.sampler.distribution(self.target.logits(p.row0 + row)?, &self.history))
-                })
-                .collect::<Result<Vec<_>>>()?;
             let temperature = run.sampler.params().temperature;
             let qs: Vec<Vec<(i32, f32)>> = p
                 .tree
@@ -687,13 +680,22 @@ impl Engine {
                     None => vec![(n.token, 1.0)],
                 })
                 .collect();
-            let drafts: Vec<Token> = p.tree.nodes.iter().map(|n| n.token).collect();
+            let (history, cached, target) = (&mut self.history, &self.slots[p.slot].cached, &self.target);
+            let (law, rng) = run.sampler.params_and_rng();
+            let mut target_law = |row: usize| -> Result<Distribution> {
+                fill_row_history(history, cached, p.last, &p.tree, row, law);
+                Ok(law.distribution(target.logits(p.row0 + row)?, history))
+            };
             if run.opts.verifier == Verifier::AcceptAll {
-                let bonus = ps[drafts.len()].sample(run.sampler.rng());
-                ((0..drafts.len()).collect::<Vec<_>>(), bonus)
+                let mut principal = Vec::new();
+                while let Some(child) = p.tree.children(principal.last().copied()).next() {
+                    principal.push(child);
+                }
+                let bonus = target_law(principal.last().map_or(0, |&n| n + 1))?.sample(rng);
+                (principal, bonus)
             } else {
-                let r = verify_chain(&drafts, &qs, &ps, run.sampler.rng());
-                ((0..r.n_accepted).collect::<Vec<_>>(), r.next)
+                let accepted = verify_tree(&p.tree, &qs, target_law, rng)?;
+                (accepted.nodes, accepted.bonus)
             }
         };
         // The target keeps `last` and the accepted path, the drafter receives their
@@ -705,12 +707,11 @@ impl Engine {
         let rows: Vec<usize> = std::iter::once(p.row0).chain(path[..in_order].iter().map(|&i| p.row0 + i + 1)).collect();
         self.queue_features(p.slot, &rows, p.pos0)?;
         if in_order < path.len() {
-            debug_assert!(run.sampler.is_greedy(), "trees are verified greedily");
             let t = Instant::now();
             let tail = path.split_off(in_order);
             let (kept, bonus) = self.redecode_branch(p, &tail, &run.sampler)?;
             path.extend_from_slice(&tail[..kept]);
-            next = bonus;
+            next = bonus.unwrap_or(next);
             // a target decode: verify time, not host time
             run.stats.verify_ms += ms_since(t);
             run.stats.redecoded += tail.len();
@@ -746,7 +747,7 @@ impl Engine {
         let cached = &self.slots[p.slot].cached;
         let accepted = accept_greedy(&p.tree, |row| {
             let mut h = history.borrow_mut();
-            fill_row_history(&mut h, cached, p.last, &p.tree, row, sampler);
+            fill_row_history(&mut h, cached, p.last, &p.tree, row, sampler.params());
             match self.target.logits(p.row0 + row) {
                 Ok(l) => sampler.distribution(l, &h).argmax(),
                 Err(e) => {
@@ -784,13 +785,15 @@ impl Engine {
     }
 
     /// Decode an accepted side branch `tail` (node indices, below the principal part of
-    /// the path) again as a plain path right after that part, and verify it once more on
-    /// the new rows. Its tree rows attended to ancestors in scattered cells, which
-    /// llama.cpp's attention sums in another order than plain decoding does, so only its
-    /// first node (accepted on an in-order row) is certain; and its cells sat behind free
-    /// ones, out of position order. The re-decoded rows round exactly as plain decoding.
-    /// Returns how many nodes of `tail` the target confirms and its next token after them.
-    fn redecode_branch(&mut self, p: &Plan, tail: &[usize], sampler: &Sampler) -> Result<(usize, Token)> {
+    /// the path) again as a plain path right after that part: its cells sat behind free
+    /// ones, out of position order, and its tree rows attended to ancestors in scattered
+    /// cells, which llama.cpp's attention sums in another order than plain decoding does.
+    /// At temperature 0 the branch is verified once more on the new rows, which round
+    /// exactly as plain decoding: only its first node (accepted on an in-order row) is
+    /// certain. Returns how many nodes of `tail` are kept and, when verified again, the
+    /// target's next token after them. (At T > 0 the rounding of the tree rows changes the
+    /// target's law by far less than any test can see; the sampled token stands.)
+    fn redecode_branch(&mut self, p: &Plan, tail: &[usize], sampler: &Sampler) -> Result<(usize, Option<Token>)> {
         let seq = p.slot as i32;
         let pos0 = p.pos0 + p.tree.nodes[tail[0]].depth;
         self.target.seq_rm(seq, pos0 as i32, -1)?;
@@ -799,11 +802,29 @@ impl Engine {
             self.batch.add_token(p.tree.nodes[node].token, (pos0 + i) as i32, &[seq], true)?;
         }
         self.target.decode(&self.batch, "re-decode of an accepted branch")?;
+        let (kept, next) = if sampler.is_greedy() {
+            let (kept, next) = self.reverify_branch(p, tail, sampler)?;
+            (kept, Some(next))
+        } else {
+            (tail.len(), None)
+        };
+        if kept < tail.len() {
+            tracing::debug!(kept, drafted = tail.len(), "a side branch accepted on scattered cells was cut by its re-decode");
+            self.target.seq_rm(seq, (pos0 + kept) as i32, -1)?;
+        }
+        let rows: Vec<usize> = (0..kept).collect();
+        self.queue_features(p.slot, &rows, pos0)?;
+        Ok((kept, next))
+    }
+
+    /// Greedy verification of a re-decoded `tail` on the rows of the last decode: how
+    /// many of its nodes the target confirms and its next token after them.
+    fn reverify_branch(&mut self, p: &Plan, tail: &[usize], sampler: &Sampler) -> Result<(usize, Token)> {
         let mut history = std::mem::take(&mut self.history);
         // the last row always ends the loop: no node follows it
         let mut confirmed: Result<(usize, Token)> = Ok((tail.len(), 0));
         for (row, &node) in tail.iter().enumerate() {
-            fill_row_history(&mut history, &self.slots[p.slot].cached, p.last, &p.tree, node + 1, sampler);
+            fill_row_history(&mut history, &self.slots[p.slot].cached, p.last, &p.tree, node + 1, sampler.params());
             let predicted = match self.target.logits(row) {
                 Ok(l) => sampler.distribution(l, &history).argmax(),
                 Err(e) => {
@@ -817,14 +838,7 @@ impl Engine {
             }
         }
         self.history = history;
-        let (kept, next) = confirmed?;
-        if kept < tail.len() {
-            tracing::debug!(kept, drafted = tail.len(), "a side branch accepted on scattered cells was cut by its re-decode");
-            self.target.seq_rm(seq, (pos0 + kept) as i32, -1)?;
-        }
-        let rows: Vec<usize> = (0..kept).collect();
-        self.queue_features(p.slot, &rows, pos0)?;
-        Ok((kept, next))
+        confirmed
     }
 
     /// Decode the part of `prompt` not already cached in `slot`; returns the first
@@ -986,10 +1000,10 @@ fn fill_row_history(
     last: Token,
     tree: &DraftTree,
     row: usize,
-    sampler: &Sampler,
+    law: &SamplingParams,
 ) {
     out.clear();
-    if !sampler.uses_history() {
+    if !law.uses_history() {
         return;
     }
     out.extend_from_slice(cached);

@@ -63,6 +63,17 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
     }
+
+    /// Whether the distribution depends on the history (the repetition penalty is on).
+    pub fn uses_history(&self) -> bool {
+        self.repeat_penalty != 1.0 && self.repeat_last_n > 0
+    }
+
+    /// p after `history` (only its tail within `repeat_last_n` matters).
+    pub fn distribution(&self, logits: &[f32], history: &[i32]) -> Distribution {
+        let tail = history.len().saturating_sub(self.repeat_last_n.max(0) as usize);
+        target_distribution(logits, &history[tail..], self)
+    }
 }
 
 /// A sparse distribution over token ids: only tokens with positive probability, most likely first
@@ -406,15 +417,12 @@ impl Sampler {
         self.params.is_greedy()
     }
 
-    /// Whether the distribution depends on the history (the repetition penalty is on).
     pub fn uses_history(&self) -> bool {
-        self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0
+        self.params.uses_history()
     }
 
-    /// p after `history` (only its tail within `repeat_last_n` matters).
     pub fn distribution(&self, logits: &[f32], history: &[i32]) -> Distribution {
-        let tail = history.len().saturating_sub(self.params.repeat_last_n.max(0) as usize);
-        target_distribution(logits, &history[tail..], &self.params)
+        self.params.distribution(logits, history)
     }
 
     /// Draw the next token (the argmax when greedy).
@@ -429,6 +437,11 @@ impl Sampler {
 
     pub fn rng(&mut self) -> &mut rand_chacha::ChaCha8Rng {
         &mut self.rng
+    }
+
+    /// The law and the random stream apart, for code that reads one while drawing from the other.
+    pub fn params_and_rng(&mut self) -> (&SamplingParams, &mut rand_chacha::ChaCha8Rng) {
+        (&self.params, &mut self.rng)
     }
 }
 

@@ -5,7 +5,7 @@
 mod common;
 
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
-use dflash2::llama::{Model, ModelParams, Token};
+use dflash2::llama::{ChatMessage, Model, ModelParams, Token};
 use dflash2::sampling::SamplingParams;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -18,6 +18,18 @@ struct Fixture {
     target: Arc<Model>,
     drafter: Arc<Model>,
     prompt: Vec<Token>,
+}
+
+/// SmolLM2 with the shipped, trained drafter, whose candidates often hold the target's
+/// token: the only pairing here where token trees keep side branches at T > 0.
+fn smollm2_fixture(text: &str) -> Fixture {
+    let target = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
+    let drafter_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter = Arc::new(Model::load(&drafter_path, &ModelParams::default()).unwrap());
+    let msgs = [ChatMessage { role: "user".into(), content: text.into() }];
+    let rendered = target.apply_chat_template(&msgs, true).unwrap();
+    let prompt = target.tokenize(&rendered, true, true).unwrap();
+    Fixture { target, drafter, prompt }
 }
 
 fn fixture() -> Fixture {
@@ -36,12 +48,26 @@ fn fixture() -> Fixture {
 /// Tokens at positions 1..=N_TOKENS over `runs` seeds; a run that ended (end of
 /// generation sampled) reads -1 at the positions it did not reach.
 fn sample_runs(f: &Fixture, runs: u64, speculative: bool, select: SelectMode, temp: f32, verifier: Verifier) -> Vec<Vec<Token>> {
+    sample_runs_counting_side_branches(f, runs, speculative, select, temp, verifier).0
+}
+
+/// [`sample_runs`], and how many drafted tokens off the first-child path of a token tree
+/// were accepted over all runs.
+fn sample_runs_counting_side_branches(
+    f: &Fixture,
+    runs: u64,
+    speculative: bool,
+    select: SelectMode,
+    temp: f32,
+    verifier: Verifier,
+) -> (Vec<Vec<Token>>, usize) {
     let mut cfg = EngineConfig::new(PathBuf::new(), None);
     cfg.n_ctx = 256;
     cfg.n_threads = 2;
     let drafter = speculative.then(|| f.drafter.clone());
     let mut e = Engine::from_models(f.target.clone(), drafter, &cfg).unwrap();
-    (0..runs)
+    let mut side_branch_tokens = 0;
+    let samples = (0..runs)
         .map(|seed| {
             let opts = GenerateOptions {
                 n_predict: N_TOKENS,
@@ -52,11 +78,14 @@ fn sample_runs(f: &Fixture, runs: u64, speculative: bool, select: SelectMode, te
                 verifier,
                 ..Default::default()
             };
-            let mut tokens = e.generate(&f.prompt, &opts, |_| true).unwrap().tokens;
+            let generation = e.generate(&f.prompt, &opts, |_| true).unwrap();
+            side_branch_tokens += generation.stats.redecoded;
+            let mut tokens = generation.tokens;
             tokens.resize(N_TOKENS, -1);
             tokens
         })
-        .collect()
+        .collect();
+    (samples, side_branch_tokens)
 }
 
 /// Two-sample chi-square statistic and degrees of freedom for the token at position
@@ -136,4 +165,26 @@ fn the_same_seed_gives_the_same_output() {
     let a = sample_runs(&f, 200, true, SelectMode::Greedy, 0.8, Verifier::Rejection);
     let b = sample_runs(&f, 200, true, SelectMode::Greedy, 0.8, Verifier::Rejection);
     assert_eq!(a, b);
+}
+
+/// The same check on a real target: SmolLM2 with the trained drafter at T = 1, chains and
+/// token trees. The random drafter above is almost never right, so only here do trees
+/// keep later-drawn siblings, which the test requires.
+#[test]
+fn smollm2_chains_and_trees_sample_the_target_law() {
+    let f = smollm2_fixture("Write a Python function that reverses a string.");
+    let runs = 1500;
+    let plain = sample_runs(&f, runs, false, SelectMode::None, 1.0, Verifier::Rejection);
+    let distinct: std::collections::HashSet<_> = plain.iter().map(|r| r[0]).collect();
+    assert!(distinct.len() >= 5, "the target is nearly deterministic, the test would be weak");
+    for select in [SelectMode::Greedy, SelectMode::Tree] {
+        let (spec, side_branch_tokens) =
+            sample_runs_counting_side_branches(&f, runs, true, select, 1.0, Verifier::Rejection);
+        if let Err(e) = same_distribution(&plain, &spec) {
+            panic!("{select:?}: speculative sampling differs from plain sampling: {e}");
+        }
+        if select == SelectMode::Tree {
+            assert!(side_branch_tokens > 50, "only {side_branch_tokens} side-branch tokens accepted: trees went untested");
+        }
+    }
 }

@@ -83,7 +83,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args, &target)?;
     let mut results = vec![ModeResult::default(); modes.len()];
     for (pi, prompt) in prompts.iter().enumerate() {
-        for _ in 0..args.runs {
+        for run in 0..args.runs {
+            // At T > 0 each run samples with its own seed: more trajectories behind tau.
+            let mut sampling = args.sampling.params();
+            sampling.seed = sampling.seed.wrapping_add(run as u64);
             let mut baseline: Option<(Vec<Token>, f64)> = None;
             for (mi, &mode) in modes.iter().enumerate() {
                 let opts = GenerateOptions {
@@ -92,7 +95,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     block,
                     adaptive,
                     tree_budget: args.tree_budget,
-                    sampling: args.sampling.params(),
+                    sampling: sampling.clone(),
                     ..Default::default()
                 };
                 let engine = if mode == SelectMode::None { &mut plain } else { &mut spec };

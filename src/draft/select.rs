@@ -112,93 +112,143 @@ impl Selector for TreeBestFirst {
         let trans = Transitions::new(lattice);
         let mut frontier = BinaryHeap::new();
         let mut pushed = 0usize;
-        let mut push_children = |frontier: &mut BinaryHeap<Frontier>,
+        let mut push_children = |frontier: &mut BinaryHeap<Ranked<Candidate>>,
                                  parent: Option<usize>,
                                  t: usize,
                                  pred: usize,
                                  parent_prob: f32| {
             for (cand, &q) in trans.row(t, pred).iter().enumerate() {
-                frontier.push(Frontier {
-                    path_prob: parent_prob * q,
-                    order: pushed,
-                    parent,
-                    t,
-                    cand,
-                    q,
-                });
+                frontier.push(Ranked { mass: parent_prob * q, order: pushed, item: Candidate { parent, t, cand, q } });
                 pushed += 1;
             }
         };
         push_children(&mut frontier, None, 0, 0, 1.0);
         while tree.nodes.len() < max_nodes {
-            let Some(best) = frontier.pop() else { break };
+            let Some(Ranked { mass, item: Candidate { parent, t, cand, q }, .. }) = frontier.pop() else { break };
             let index = tree.nodes.len();
-            tree.nodes.push(DraftNode {
-                token: lattice.id(best.t, best.cand),
-                parent: best.parent,
-                depth: best.t + 1,
-                cand: best.cand,
-                q: best.q,
-            });
-            if best.t + 1 < lattice.n_pos {
-                push_children(&mut frontier, Some(index), best.t + 1, best.cand, best.path_prob);
+            tree.nodes.push(DraftNode { token: lattice.id(t, cand), parent, depth: t + 1, cand, q });
+            if t + 1 < lattice.n_pos {
+                push_children(&mut frontier, Some(index), t + 1, cand, mass);
             }
         }
         tree
     }
 }
 
-/// A node waiting to be added to the tree, ordered by path probability, then by push
-/// order (earlier first) so that ties break deterministically.
-struct Frontier {
-    path_prob: f32,
+/// A frontier entry of a best-first tree: ordered by `mass` (a path probability), then
+/// by push order (earlier first) so that ties break deterministically.
+struct Ranked<T> {
+    mass: f32,
     order: usize,
+    item: T,
+}
+
+impl<T> Ord for Ranked<T> {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.mass.total_cmp(&other.mass).then_with(|| other.order.cmp(&self.order))
+    }
+}
+
+impl<T> PartialOrd for Ranked<T> {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl<T> PartialEq for Ranked<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl<T> Eq for Ranked<T> {}
+
+/// A draft drawn from the drafter's proposals (see [`proposal`]) for rejection sampling
+/// at temperature > 0, of at most `max_nodes` tokens.
+///
+/// Each node's children are drawn from the proposal after it without replacement, and
+/// the verifier ([`crate::verify::verify_tree`]) tests them in that order. The tree grows
+/// best-first by path mass (the product of its tokens' proposal masses, the chance that
+/// the target writes that path if the drafter is right); a node's next sibling only
+/// becomes a candidate once the previous one is in, so siblings are always a prefix of
+/// their draw order. `branch = false` keeps one child a node: a chain of
+/// `min(max_nodes, n_pos)` tokens, the first draw at each position. `node.q` is the
+/// proposal mass of the node's token. A row that proposes nothing (all scores
+/// non-finite) ends its branch.
+pub fn sample_draft(lattice: &Lattice, max_nodes: usize, temperature: f32, branch: bool, rng: &mut impl Rng) -> DraftTree {
+    let mut tree = DraftTree::default();
+    if lattice.n_pos == 0 || max_nodes == 0 {
+        return tree;
+    }
+    // draws[d]: the tokens drawn after one parent, in draw order: (candidate, token, mass).
+    let mut draws: Vec<Vec<(usize, i32, f32)>> = Vec::new();
+    let mut frontier = BinaryHeap::new();
+    let mut pushed = 0usize;
+    let mut next_draw = |draws: &[Vec<(usize, i32, f32)>],
+                         frontier: &mut BinaryHeap<Ranked<Draw>>,
+                         list: usize,
+                         index: usize,
+                         parent: Option<usize>,
+                         parent_mass: f32| {
+        if let Some(&(_, _, q)) = draws[list].get(index) {
+            frontier.push(Ranked { mass: parent_mass * q, order: pushed, item: Draw { list, index, parent } });
+            pushed += 1;
+        }
+    };
+    draws.push(draw_order(lattice, 0, 0, temperature, rng));
+    next_draw(&draws, &mut frontier, 0, 0, None, 1.0);
+    let mut path_mass: Vec<f32> = Vec::new();
+    while tree.nodes.len() < max_nodes {
+        let Some(Ranked { mass, item: best, .. }) = frontier.pop() else { break };
+        let (cand, token, q) = draws[best.list][best.index];
+        let depth = best.parent.map_or(1, |p| tree.nodes[p].depth + 1);
+        let index = tree.nodes.len();
+        tree.nodes.push(DraftNode { token, parent: best.parent, depth, cand, q });
+        path_mass.push(mass);
+        if branch {
+            let parent_mass = best.parent.map_or(1.0, |p| path_mass[p]);
+            next_draw(&draws, &mut frontier, best.list, best.index + 1, best.parent, parent_mass);
+        }
+        if depth < lattice.n_pos {
+            draws.push(draw_order(lattice, depth, cand, temperature, rng));
+            next_draw(&draws, &mut frontier, draws.len() - 1, 0, Some(index), mass);
+        }
+    }
+    tree
+}
+
+/// Every token of the proposal at position `t` after candidate `pred`, in the order of a
+/// draw without replacement (exponential races: token x arrives after Exp(1) / q(x)),
+/// with the candidate index of its first occurrence in the row. Tokens without mass
+/// never arrive. At temperature <= 0 only the greedy token is listed.
+fn draw_order(lattice: &Lattice, t: usize, pred: usize, temperature: f32, rng: &mut impl Rng) -> Vec<(usize, i32, f32)> {
+    let mut arrivals: Vec<(f64, usize, i32, f32)> = proposal(lattice, t, pred, temperature)
+        .into_iter()
+        .filter(|&(_, q)| q > 0.0)
+        .map(|(token, q)| {
+            let cand = (0..lattice.k).position(|c| lattice.id(t, c) == token).expect("a proposed token is in its row");
+            let exp1 = -(1.0 - rng.gen::<f64>()).ln();
+            (exp1 / f64::from(q), cand, token, q)
+        })
+        .collect();
+    arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+    arrivals.into_iter().map(|(_, cand, token, q)| (cand, token, q)).collect()
+}
+
+/// A lattice candidate waiting to join a best-first tree: its parent node, block
+/// position, candidate index and `a_t` there.
+struct Candidate {
     parent: Option<usize>,
     t: usize,
     cand: usize,
     q: f32,
 }
 
-impl Ord for Frontier {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.path_prob.total_cmp(&other.path_prob).then_with(|| other.order.cmp(&self.order))
-    }
-}
-
-impl PartialOrd for Frontier {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl PartialEq for Frontier {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Frontier {}
-
-/// A chain of at most `n` tokens (and `n_pos`), each sampled from the proposal of its
-/// position after the previous pick (see [`proposal`]). `node.q` is the proposal mass of
-/// the node's token, the `q(x)` of rejection sampling. The chain ends early at a row
-/// that proposes nothing (all scores non-finite).
-pub fn sample_path(lattice: &Lattice, n: usize, temperature: f32, rng: &mut impl Rng) -> DraftTree {
-    let n = n.min(lattice.n_pos);
-    let mut tree = DraftTree::default();
-    let mut pred = 0;
-    for t in 0..n {
-        let probs = row_probs(lattice, t, pred, temperature);
-        let Some(cand) = sample_index(&probs, rng) else {
-            break;
-        };
-        let token = lattice.id(t, cand);
-        let token_mass =
-            (0..lattice.k).filter(|&c| lattice.id(t, c) == token).map(|c| probs[c]).sum();
-        tree.nodes.push(chain_node(lattice, t, cand, token_mass));
-        pred = cand;
-    }
-    tree
+/// A sampled token waiting to join the tree: entry `index` of draw list `list`.
+struct Draw {
+    list: usize,
+    index: usize,
+    parent: Option<usize>,
 }
 
 /// The drafter's proposal at position `t` after candidate `pred` of position `t - 1`
@@ -296,24 +346,6 @@ fn row_probs(lattice: &Lattice, t: usize, pred: usize, temperature: f32) -> Vec<
         probs[argmax(scores)] = 1.0;
     }
     probs
-}
-
-/// Inverse-CDF draw from unnormalised `weights`; `None` when they hold no mass.
-fn sample_index(weights: &[f32], rng: &mut impl Rng) -> Option<usize> {
-    let total: f32 = weights.iter().sum();
-    if !(total > 0.0 && total.is_finite()) {
-        return None;
-    }
-    let target = rng.gen::<f32>() * total;
-    let mut cumulative = 0.0;
-    for (i, &w) in weights.iter().enumerate() {
-        cumulative += w;
-        if target < cumulative {
-            return Some(i);
-        }
-    }
-    // Rounding left `target` past the last partial sum: take the last index with mass.
-    weights.iter().rposition(|&w| w > 0.0)
 }
 
 /// Node `t` of a chain (its parent is node `t - 1`).
@@ -571,7 +603,7 @@ mod tests {
         assert!(close(p[1].1, 1f32.exp() / denom));
         assert_eq!(proposal(&lattice, 0, 0, 0.0), vec![(5, 1.0), (7, 0.0)]);
         let mut rng = ChaCha8Rng::seed_from_u64(3);
-        let tree = sample_path(&lattice, 1, 1.0, &mut rng);
+        let tree = sample_draft(&lattice, 1, 1.0, false, &mut rng);
         let expected_q = if tree.nodes[0].token == 5 { p[0].1 } else { p[1].1 };
         assert!(close(tree.nodes[0].q, expected_q));
     }
@@ -587,7 +619,7 @@ mod tests {
         );
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         for _ in 0..20 {
-            let tree = sample_path(&lattice, 2, 1.0, &mut rng);
+            let tree = sample_draft(&lattice, 2, 1.0, false, &mut rng);
             // Position 1 is all -inf after candidate 0 and NaN-poisoned after candidate 1.
             assert_eq!(tree.len(), 1);
             assert!(expected_tree_accepted(&lattice, &tree).is_finite());
@@ -622,7 +654,7 @@ mod tests {
             let draws = 30_000;
             let mut counts = vec![0usize; paths.len()];
             for _ in 0..draws {
-                let tree = sample_path(&lattice, 3, temperature, &mut rng);
+                let tree = sample_draft(&lattice, 3, temperature, false, &mut rng);
                 let cands = cands_of(&tree);
                 let index = paths.iter().position(|p| *p == cands).expect("a full-length path");
                 counts[index] += 1;
@@ -642,13 +674,72 @@ mod tests {
     }
 
     #[test]
-    fn sampled_path_at_temperature_zero_is_greedy() {
+    fn sampled_draft_at_temperature_zero_is_greedy() {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         for lattice in lattices() {
-            let sampled = sample_path(&lattice, lattice.n_pos, 0.0, &mut rng);
             let greedy = Greedy.select(&lattice, lattice.n_pos);
-            assert_eq!(cands_of(&sampled), cands_of(&greedy));
-            assert!(sampled.nodes.iter().all(|n| n.q == 1.0));
+            for branch in [false, true] {
+                let sampled = sample_draft(&lattice, 2 * lattice.n_pos, 0.0, branch, &mut rng);
+                assert_eq!(cands_of(&sampled), cands_of(&greedy));
+                assert!(sampled.nodes.iter().all(|n| n.q == 1.0));
+            }
         }
+    }
+
+    #[test]
+    fn sampled_trees_are_well_formed_and_grow_best_first() {
+        let mut rng = ChaCha8Rng::seed_from_u64(31);
+        for lattice in lattices() {
+            for budget in [1, 3, 8, 40] {
+                let tree = sample_draft(&lattice, budget, 0.8, true, &mut rng);
+                assert!(tree.len() <= budget);
+                let mut mass: Vec<f32> = Vec::new();
+                for (i, n) in tree.nodes.iter().enumerate() {
+                    let (parent_mass, pred) = n.parent.map_or((1.0, 0), |p| (mass[p], tree.nodes[p].cand));
+                    assert!(n.parent.is_none_or(|p| p < i && tree.nodes[p].depth + 1 == n.depth));
+                    assert!(n.depth <= lattice.n_pos && n.depth >= 1);
+                    assert_eq!(lattice.id(n.depth - 1, n.cand), n.token);
+                    let q = proposal(&lattice, n.depth - 1, pred, 0.8);
+                    assert!(close(n.q, q.iter().find(|e| e.0 == n.token).unwrap().1));
+                    mass.push(parent_mass * n.q);
+                    let siblings: Vec<i32> = tree.children(n.parent).map(|c| tree.nodes[c].token).collect();
+                    let distinct: std::collections::HashSet<_> = siblings.iter().collect();
+                    assert_eq!(distinct.len(), siblings.len(), "siblings repeat a token");
+                }
+                // A path's mass never grows with depth.
+                assert!(tree.nodes.iter().enumerate().all(|(i, n)| n.parent.is_none_or(|p| mass[i] <= mass[p])));
+                // Every row proposes all k (distinct) tokens here: the tree fills its budget.
+                let all_nodes: usize = (1..=lattice.n_pos as u32).map(|d| lattice.k.pow(d)).sum();
+                assert_eq!(tree.len(), budget.min(all_nodes));
+            }
+        }
+    }
+
+    /// Ordered pairs of siblings at one position against sampling without replacement:
+    /// P(a then b) = q(a) q(b) / (1 - q(a)). 12 pairs (11 degrees of freedom): a chi-square
+    /// above 60 has probability < 1e-6 under the null.
+    #[test]
+    fn sibling_draws_follow_sampling_without_replacement() {
+        let mut rng = ChaCha8Rng::seed_from_u64(77);
+        let lattice = random_lattice(&mut rng, 4, 1, false);
+        let q = proposal(&lattice, 0, 0, 1.0);
+        let draws = 40_000;
+        let mut counts: std::collections::HashMap<(i32, i32), usize> = Default::default();
+        for _ in 0..draws {
+            let tree = sample_draft(&lattice, 2, 1.0, true, &mut rng);
+            assert_eq!(tree.len(), 2);
+            *counts.entry((tree.nodes[0].token, tree.nodes[1].token)).or_default() += 1;
+        }
+        let mut chi_square = 0.0;
+        for &(a, qa) in &q {
+            for &(b, qb) in &q {
+                if a != b {
+                    let expected = f64::from(qa * qb / (1.0 - qa)) * draws as f64;
+                    let count = counts.get(&(a, b)).copied().unwrap_or(0) as f64;
+                    chi_square += (count - expected).powi(2) / expected;
+                }
+            }
+        }
+        assert!(chi_square < 60.0, "chi-square {chi_square}");
     }
 }

@@ -87,22 +87,20 @@ impl DraftTree {
 }
 
 impl DraftTree {
-    /// The same tree with its nodes in depth-first order, the likelier child first.
+    /// The same tree with its nodes in depth-first order, siblings in their node order.
     ///
-    /// The verify batch lays nodes out in this order, so the most likely path occupies
-    /// the cache cells right after the anchor. When the target accepts (a prefix of) that
-    /// path, the accepted cells stay in position order once the rest is dropped.
+    /// The verify batch lays nodes out in this order. Selectors list a node's likeliest
+    /// child first (best-first trees by probability, sampled trees by draw order, which is
+    /// also the order rejection sampling tests them), so the principal path occupies the
+    /// cache cells right after the anchor: when the target accepts (a prefix of) it, the
+    /// accepted cells stay in position order once the rest is dropped.
     pub fn depth_first(&self) -> DraftTree {
-        let mut path_prob = vec![0f32; self.nodes.len()];
-        for (i, n) in self.nodes.iter().enumerate() {
-            path_prob[i] = n.parent.map_or(1.0, |p| path_prob[p]) * n.q;
-        }
         let mut order = Vec::with_capacity(self.nodes.len());
-        let mut stack: Vec<usize> = self.sorted_children(None, &path_prob);
+        let mut stack: Vec<usize> = self.children(None).collect();
         stack.reverse();
         while let Some(i) = stack.pop() {
             order.push(i);
-            let mut kids = self.sorted_children(Some(i), &path_prob);
+            let mut kids: Vec<usize> = self.children(Some(i)).collect();
             kids.reverse();
             stack.extend(kids);
         }
@@ -120,12 +118,6 @@ impl DraftTree {
             .collect();
         DraftTree { nodes }
     }
-
-    fn sorted_children(&self, parent: Option<usize>, path_prob: &[f32]) -> Vec<usize> {
-        let mut kids: Vec<usize> = self.children(parent).collect();
-        kids.sort_by(|&a, &b| path_prob[b].total_cmp(&path_prob[a]).then(a.cmp(&b)));
-        kids
-    }
 }
 
 #[cfg(test)]
@@ -137,15 +129,15 @@ mod tests {
     }
 
     #[test]
-    fn depth_first_puts_the_likeliest_path_first_and_keeps_parents_first() {
-        // Best-first order: a(0.6) b(0.4) | a's kids c(0.5) d(0.9) | b's kid e(0.9)
+    fn depth_first_follows_first_children_and_keeps_parents_first() {
+        // Best-first order: a(0.6) b(0.4) | a's kids d(0.9) c(0.5) | b's kid e(0.9)
         let t = DraftTree {
             nodes: vec![
                 node(1, None, 1, 0.6),
                 node(2, None, 1, 0.4),
-                node(3, Some(0), 2, 0.5),
                 node(4, Some(0), 2, 0.9),
                 node(5, Some(1), 2, 0.9),
+                node(3, Some(0), 2, 0.5),
             ],
         };
         let d = t.depth_first();
@@ -159,5 +151,8 @@ mod tests {
         }
         assert_eq!(d.path_to(1), vec![0, 1]);
         assert_eq!(d.nodes[4].parent, Some(3));
+        // Siblings keep their order even when a later one is likelier (a sampled tree).
+        let sampled = DraftTree { nodes: vec![node(7, None, 1, 0.2), node(8, None, 1, 0.7)] };
+        assert_eq!(sampled.depth_first(), sampled);
     }
 }

@@ -1,16 +1,8 @@
 //! Greedy (temperature 0) acceptance: keep drafted tokens while they equal the target's
 //! own argmax, which makes the output identical to plain greedy decoding.
 
+use super::Accepted;
 use crate::draft::DraftTree;
-
-/// The outcome of verifying one draft.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Accepted {
-    /// Accepted node indices, from the anchor's child down: one path of the tree.
-    pub nodes: Vec<usize>,
-    /// The target's own next token after the accepted path (always committed).
-    pub bonus: i32,
-}
 
 /// Walks the tree from the anchor: while the target's argmax at the current row is the
 /// token of a child, descend into that child (the first one in node order if siblings

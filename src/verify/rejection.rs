@@ -1,145 +1,155 @@
-//! Lossless speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
+//! Lossless speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023), on
+//! token trees (recursive rejection sampling: SpecInfer, Miao et al. 2024; drafts drawn
+//! without replacement: Jeon et al. 2024).
 //!
-//! A draft token x drawn from the drafter's proposal q is kept with probability min(1, p(x)/q(x));
-//! at the first rejection the replacement is drawn from normalize(max(p - q, 0)). Every emitted token
-//! is then distributed exactly as the target p, whatever q is, so speculation changes speed, never
-//! output. A greedy draft at T > 0 is the proposal q = one-hot on the draft.
+//! A draft token x drawn from the drafter's proposal q is kept with probability
+//! min(1, p(x)/q(x)). On rejection, the target's token is still to be drawn from the
+//! residual p' = normalize(max(p - q, 0)); that holds whatever x was, so the next sibling
+//! (drawn from q without the siblings drawn before it, renormalised) is tested against p'
+//! the same way, and so on. When no sibling is left the token is drawn from the last
+//! residual (from p itself at a leaf: the bonus token). Every emitted token is thus
+//! distributed exactly as the target p, whatever q is, so speculation changes speed, never
+//! output. A chain is the tree with one child per node; a greedy draft at T > 0 is the
+//! proposal q = one-hot on the draft.
 //!
-//! RNG use is fixed by the outcome, so a seed reproduces a run: `verify_step` makes one uniform draw
-//! for the accept test and, only on rejection, one more for the replacement. `verify_chain` thus makes
-//! `n_accepted + 2` draws when it rejects a draft and `n_accepted + 1` (the last for the bonus token)
-//! when it accepts them all.
+//! RNG use is fixed by the outcome, so a seed reproduces a run: one uniform draw per tested
+//! draft, and one for the token drawn where the walk stops.
 
+use super::Accepted;
+use crate::draft::DraftTree;
 use crate::sampling::Distribution;
 use rand::Rng;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepOutcome {
-    Accepted,
-    /// The draft was rejected; `resampled` replaces it and ends the chain.
-    Rejected {
-        resampled: i32,
-    },
-}
-
-/// Verifies one draft position: `draft` was drawn from `q`, the drafter's sparse proposal (distinct
-/// ids with their probabilities, `q(draft) > 0`), and `p` is the target distribution there.
-pub fn verify_step(
-    draft: i32,
-    q: &[(i32, f32)],
-    p: &Distribution,
-    rng: &mut impl Rng,
-) -> StepOutcome {
-    let u: f64 = rng.gen();
-    if u < acceptance_probability(p.prob(draft), proposal_prob(q, draft)) {
-        StepOutcome::Accepted
-    } else {
-        StepOutcome::Rejected {
-            resampled: sample_residual(q, p, rng),
-        }
-    }
-}
-
-/// The outcome of verifying a chain of drafts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChainResult {
-    /// How many leading drafts were accepted.
-    pub n_accepted: usize,
-    /// The token after the accepted prefix: the replacement of the first rejected draft, or the bonus
-    /// token drawn from the last target distribution when every draft was accepted.
-    pub next: i32,
-}
-
-/// Verifies `drafts` in order, stopping at the first rejection. `qs[i]` is the proposal `drafts[i]`
-/// was drawn from and `ps[i]` the target distribution at that position; `ps` has one more entry, the
-/// target distribution after the last draft, for the bonus token.
-pub fn verify_chain(
-    drafts: &[i32],
+/// Walks `tree` from the anchor, testing each node's children in node order (the order
+/// they were drawn) and descending into the first one kept.
+///
+/// `qs[i]` is the proposal node `i` was drawn from before any sibling was removed (the
+/// same for all children of one parent: distinct ids with their probabilities).
+/// `target_law(row)` is the target distribution at verify-batch row `row` (0 = anchor,
+/// `i + 1` = node `i`); it is only asked for rows on the accepted path.
+pub fn verify_tree<E>(
+    tree: &DraftTree,
     qs: &[Vec<(i32, f32)>],
-    ps: &[Distribution],
+    mut target_law: impl FnMut(usize) -> Result<Distribution, E>,
     rng: &mut impl Rng,
-) -> ChainResult {
-    assert_eq!(qs.len(), drafts.len(), "one proposal per draft");
-    assert_eq!(
-        ps.len(),
-        drafts.len() + 1,
-        "one target distribution per draft, plus one for the bonus token"
-    );
-    for (i, ((&draft, q), p)) in drafts.iter().zip(qs).zip(ps).enumerate() {
-        if let StepOutcome::Rejected { resampled } = verify_step(draft, q, p, rng) {
-            return ChainResult {
-                n_accepted: i,
-                next: resampled,
-            };
+) -> Result<Accepted, E> {
+    assert_eq!(qs.len(), tree.len(), "one proposal per node");
+    let mut nodes = Vec::new();
+    let mut current: Option<usize> = None;
+    'descend: loop {
+        let mut p = Residual::new(&target_law(current.map_or(0, |node| node + 1))?);
+        let mut q: Option<Proposal> = None;
+        for child in tree.children(current) {
+            let q = q.get_or_insert_with(|| Proposal::new(&qs[child]));
+            let draft = tree.nodes[child].token;
+            let u: f64 = rng.gen();
+            if u < acceptance_probability(p.prob(draft), q.prob(draft)) {
+                nodes.push(child);
+                current = Some(child);
+                continue 'descend;
+            }
+            p.subtract(q);
+            q.remove(draft);
         }
+        return Ok(Accepted {
+            nodes,
+            bonus: p.sample(rng),
+        });
     }
-    ChainResult {
-        n_accepted: drafts.len(),
-        next: ps[drafts.len()].sample(rng),
-    }
-}
-
-fn proposal_prob(q: &[(i32, f32)], id: i32) -> f32 {
-    q.iter()
-        .find(|&&(t, _)| t == id)
-        .map_or(0.0, |&(_, prob)| prob)
 }
 
 /// min(1, p(x)/q(x)), the chance of keeping a draft x the drafter drew with probability q(x).
-fn acceptance_probability(p_draft: f32, q_draft: f32) -> f64 {
-    debug_assert!(
-        q_draft > 0.0,
-        "the drafter cannot have drawn a token it gave probability 0"
-    );
-    if p_draft <= 0.0 {
-        // Explicit so that even a wrong q(x) = 0 (0/0) never lets out a token the target forbids.
+fn acceptance_probability(p_draft: f64, q_draft: f64) -> f64 {
+    if p_draft <= 0.0 || q_draft <= 0.0 {
+        // p = 0: never let out a token the target forbids. q = 0: the drafter cannot have
+        // drawn it; not testing it (the residual stays as it is) keeps the law exact.
         return 0.0;
     }
-    (f64::from(p_draft) / f64::from(q_draft)).min(1.0)
+    (p_draft / q_draft).min(1.0)
 }
 
-/// max(p(t) - q(t), 0) for each token of p's support, in p's order; the residual is 0 off that support.
-/// `q_by_id` is the proposal sorted by id.
-fn residual_weights<'a>(
-    q_by_id: &'a [(i32, f32)],
-    p: &'a Distribution,
-) -> impl Iterator<Item = (i32, f64)> + 'a {
-    p.ids.iter().zip(&p.probs).map(move |(&id, &p_t)| {
-        let q_t = q_by_id
-            .binary_search_by_key(&id, |&(t, _)| t)
-            .map_or(0.0, |i| q_by_id[i].1);
-        (id, (f64::from(p_t) - f64::from(q_t)).max(0.0))
-    })
+/// What is left of the target's law at one row while its drafts are tested: p, then the
+/// normalised residual after each rejection. It lives on p's support.
+#[derive(Debug, Clone)]
+struct Residual {
+    ids: Vec<i32>,
+    probs: Vec<f64>,
 }
 
-/// Draws from normalize(max(p - q, 0)) with one uniform draw. A zero residual means p == q, where
-/// rejection cannot happen save by rounding; p itself is then the right law.
-fn sample_residual(q: &[(i32, f32)], p: &Distribution, rng: &mut impl Rng) -> i32 {
-    let mut q_by_id = q.to_vec();
-    q_by_id.sort_unstable_by_key(|&(id, _)| id);
-    let total: f64 = residual_weights(&q_by_id, p).map(|(_, w)| w).sum();
-    if total <= 0.0 {
-        return p.sample(rng);
+impl Residual {
+    fn new(p: &Distribution) -> Self {
+        Self { ids: p.ids.clone(), probs: p.probs.iter().map(|&x| f64::from(x)).collect() }
     }
-    let target = rng.gen::<f64>() * total;
-    let mut cumulative = 0.0;
-    let mut chosen = None;
-    for (id, weight) in residual_weights(&q_by_id, p) {
-        if weight > 0.0 {
-            chosen = Some(id);
-            cumulative += weight;
-            if target < cumulative {
-                break;
-            }
+
+    fn prob(&self, id: i32) -> f64 {
+        self.ids.iter().position(|&t| t == id).map_or(0.0, |i| self.probs[i])
+    }
+
+    /// p <- normalize(max(p - q, 0)). A residual with no mass means p == q, where a
+    /// rejection only happens by rounding; p is then still the right law and is kept.
+    fn subtract(&mut self, q: &Proposal) {
+        let residual: Vec<f64> =
+            self.ids.iter().zip(&self.probs).map(|(&id, &p)| (p - q.prob(id)).max(0.0)).collect();
+        let total: f64 = residual.iter().sum();
+        if total > 0.0 {
+            self.probs = residual.into_iter().map(|r| r / total).collect();
         }
     }
-    // When rounding puts the target past the end, the last token with weight is taken.
-    chosen.expect("a positive residual has a token with positive weight")
+
+    /// One uniform draw; when rounding puts it past the end, the last token with mass.
+    fn sample(&self, rng: &mut impl Rng) -> i32 {
+        let u: f64 = rng.gen::<f64>() * self.probs.iter().sum::<f64>();
+        let mut cumulative = 0.0;
+        let mut chosen = None;
+        for (&id, &p) in self.ids.iter().zip(&self.probs) {
+            if p > 0.0 {
+                chosen = Some(id);
+                cumulative += p;
+                if u < cumulative {
+                    break;
+                }
+            }
+        }
+        chosen.unwrap_or(self.ids[0])
+    }
+}
+
+/// A proposal that siblings are drawn from without replacement: each draw removes its
+/// token, and the next draw follows the rest, renormalised.
+#[derive(Debug, Clone)]
+struct Proposal {
+    /// Sorted by id.
+    by_id: Vec<(i32, f64)>,
+    total: f64,
+}
+
+impl Proposal {
+    fn new(q: &[(i32, f32)]) -> Self {
+        let mut by_id: Vec<(i32, f64)> = q.iter().map(|&(id, x)| (id, f64::from(x))).collect();
+        by_id.sort_unstable_by_key(|&(id, _)| id);
+        let total = by_id.iter().map(|&(_, x)| x).sum();
+        Self { by_id, total }
+    }
+
+    fn prob(&self, id: i32) -> f64 {
+        if self.total <= 0.0 {
+            return 0.0;
+        }
+        self.by_id.binary_search_by_key(&id, |&(t, _)| t).map_or(0.0, |i| self.by_id[i].1 / self.total)
+    }
+
+    fn remove(&mut self, id: i32) {
+        if let Ok(i) = self.by_id.binary_search_by_key(&id, |&(t, _)| t) {
+            self.total -= self.by_id[i].1;
+            self.by_id[i].1 = 0.0;
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::draft::DraftNode;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
     use std::collections::HashMap;
@@ -147,13 +157,7 @@ mod tests {
     /// Sparse random weights over `vocab` tokens: cubed uniforms with about a third zeroed, never all.
     fn random_weights(rng: &mut impl Rng, vocab: usize) -> Vec<f32> {
         let mut weights: Vec<f32> = (0..vocab)
-            .map(|_| {
-                if rng.gen_bool(0.3) {
-                    0.0
-                } else {
-                    rng.gen::<f32>().powi(3)
-                }
-            })
+            .map(|_| if rng.gen_bool(0.3) { 0.0 } else { rng.gen::<f32>().powi(3) })
             .collect();
         let keep = rng.gen_range(0..vocab);
         weights[keep] = weights[keep].max(0.05);
@@ -170,10 +174,7 @@ mod tests {
             .map(|(id, &w)| (id as i32, w / total))
             .collect();
         entries.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        Distribution {
-            ids: entries.iter().map(|e| e.0).collect(),
-            probs: entries.iter().map(|e| e.1).collect(),
-        }
+        Distribution { ids: entries.iter().map(|e| e.0).collect(), probs: entries.iter().map(|e| e.1).collect() }
     }
 
     /// A drafter proposal with these weights, listed in a scrambled order as a drafter might.
@@ -184,86 +185,152 @@ mod tests {
         q
     }
 
-    fn sample_proposal(q: &[(i32, f32)], rng: &mut impl Rng) -> i32 {
-        let u: f32 = rng.gen();
-        let mut cumulative = 0.0;
-        for &(id, prob) in q {
-            cumulative += prob;
-            if u < cumulative {
-                return id;
+    /// Up to `n` distinct tokens drawn from `q` one after another, each from what is left
+    /// of `q` renormalised (written independently of the module).
+    fn draw_without_replacement(q: &[(i32, f32)], n: usize, rng: &mut impl Rng) -> Vec<i32> {
+        let mut left = q.to_vec();
+        let mut drawn = Vec::new();
+        while drawn.len() < n {
+            let total: f32 = left.iter().map(|e| e.1).sum();
+            if total <= 0.0 {
+                break;
             }
+            let u = rng.gen::<f32>() * total;
+            let mut cumulative = 0.0;
+            let mut pick = left.iter().rposition(|e| e.1 > 0.0).unwrap();
+            for (i, e) in left.iter().enumerate() {
+                cumulative += e.1;
+                if u < cumulative && e.1 > 0.0 {
+                    pick = i;
+                    break;
+                }
+            }
+            drawn.push(left[pick].0);
+            left[pick].1 = 0.0;
         }
-        q.last().unwrap().0
+        drawn
+    }
+
+    /// The exact law of the token one tree level emits when up to `siblings` drafts are
+    /// drawn from `drawn` without replacement and tested in draw order, enumerating every
+    /// draw order. `tested` is the verifier's view of the proposal; `remove = false` is a
+    /// broken verifier that forgets to take drawn siblings out of it.
+    fn level_law(p: &Residual, drawn: &Proposal, tested: &Proposal, siblings: usize, weight: f64, remove: bool, law: &mut HashMap<i32, f64>) {
+        let drawable: Vec<(i32, f64)> =
+            drawn.by_id.iter().map(|&(id, _)| (id, drawn.prob(id))).filter(|&(_, x)| x > 0.0).collect();
+        if siblings == 0 || drawable.is_empty() {
+            for (&id, &x) in p.ids.iter().zip(&p.probs) {
+                *law.entry(id).or_default() += weight * x;
+            }
+            return;
+        }
+        for (draft, q_draft) in drawable {
+            let accept = acceptance_probability(p.prob(draft), tested.prob(draft));
+            *law.entry(draft).or_default() += weight * q_draft * accept;
+            let (mut p, mut drawn_left, mut tested_left) = (p.clone(), drawn.clone(), tested.clone());
+            p.subtract(tested);
+            drawn_left.remove(draft);
+            if remove {
+                tested_left.remove(draft);
+            }
+            level_law(&p, &drawn_left, &tested_left, siblings - 1, weight * q_draft * (1.0 - accept), remove, law);
+        }
+    }
+
+    fn level_error(p: &Distribution, q: &[(i32, f32)], siblings: usize, remove: bool) -> f64 {
+        let mut law = HashMap::new();
+        let q = Proposal::new(q);
+        level_law(&Residual::new(p), &q, &q, siblings, 1.0, remove, &mut law);
+        let support: std::collections::HashSet<i32> = law.keys().chain(&p.ids).copied().collect();
+        support.into_iter().map(|id| (law.get(&id).copied().unwrap_or(0.0) - f64::from(p.prob(id))).abs()).fold(0.0, f64::max)
     }
 
     #[test]
-    fn step_output_law_is_exactly_the_target() {
+    fn one_level_emits_exactly_the_target_law() {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut broken_detected = 0;
         for vocab in 3..=5 {
-            for trial in 0..300 {
+            for trial in 0..200 {
                 let p = distribution(&random_weights(&mut rng, vocab));
-                // Some trials propose p itself, where nothing is ever rejected.
-                let q_weights = if trial % 10 == 0 {
-                    (0..vocab as i32).map(|t| p.prob(t)).collect()
-                } else {
-                    random_weights(&mut rng, vocab)
+                // Some trials propose p itself (nothing is rejected) or one token (a greedy draft).
+                let q = match trial % 10 {
+                    0 => p.ids.iter().zip(&p.probs).map(|(&id, &x)| (id, x)).collect(),
+                    1 => vec![(rng.gen_range(0..vocab as i32), 1.0)],
+                    _ => proposal(&random_weights(&mut rng, vocab)),
                 };
-                let q = proposal(&q_weights);
-                let mut q_by_id = q.clone();
-                q_by_id.sort_unstable_by_key(|&(id, _)| id);
-
-                let rejected_mass: f64 = q
-                    .iter()
-                    .map(|&(x, q_x)| {
-                        f64::from(q_x) * (1.0 - acceptance_probability(p.prob(x), q_x))
-                    })
-                    .sum();
-                let residual: Vec<(i32, f64)> = residual_weights(&q_by_id, &p).collect();
-                let residual_total: f64 = residual.iter().map(|r| r.1).sum();
-                for t in 0..vocab as i32 {
-                    let q_t = proposal_prob(&q, t);
-                    let accepted = if q_t > 0.0 {
-                        f64::from(q_t) * acceptance_probability(p.prob(t), q_t)
-                    } else {
-                        0.0
-                    };
-                    let residual_t = residual.iter().find(|r| r.0 == t).map_or(0.0, |r| r.1);
-                    // A residual lost to rounding falls back to p, as sample_residual does.
-                    let resampled_law = if residual_total > 0.0 {
-                        residual_t / residual_total
-                    } else {
-                        f64::from(p.prob(t))
-                    };
-                    let resampled = rejected_mass * resampled_law;
-                    let output = accepted + resampled;
-                    assert!(
-                        (output - f64::from(p.prob(t))).abs() < 1e-6,
-                        "token {t}: {output} vs {p:?}, q {q:?}"
-                    );
+                for siblings in 1..=3 {
+                    let error = level_error(&p, &q, siblings, true);
+                    assert!(error < 1e-6, "{siblings} siblings: off by {error}: p {p:?}, q {q:?}");
+                    if siblings > 1 && level_error(&p, &q, siblings, false) > 1e-3 {
+                        broken_detected += 1;
+                    }
                 }
             }
         }
+        assert!(broken_detected > 100, "forgetting drawn siblings went unnoticed ({broken_detected})");
+    }
+
+    /// [`verify_tree`] with every row's target law at hand, checking it asks for each row at most once.
+    fn verify(tree: &DraftTree, qs: &[Vec<(i32, f32)>], ps: &[Distribution], rng: &mut ChaCha8Rng) -> Accepted {
+        assert_eq!(ps.len(), tree.len() + 1);
+        let mut asked = vec![false; ps.len()];
+        let result = verify_tree(tree, qs, |row| {
+            assert!(!std::mem::replace(&mut asked[row], true), "row {row} asked twice");
+            Ok::<_, ()>(ps[row].clone())
+        }, rng);
+        result.unwrap()
+    }
+
+    fn chain(tokens: &[i32]) -> DraftTree {
+        DraftTree::chain(tokens)
+    }
+
+    fn one_hot(token: i32) -> Distribution {
+        Distribution { ids: vec![token], probs: vec![1.0] }
     }
 
     #[test]
     fn greedy_target_accepts_only_its_argmax_and_replaces_with_it() {
-        let p = Distribution {
-            ids: vec![5],
-            probs: vec![1.0],
-        };
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(
-            verify_step(5, &[(5, 1.0)], &p, &mut rng),
-            StepOutcome::Accepted
-        );
-        assert_eq!(
-            verify_step(2, &[(2, 1.0)], &p, &mut rng),
-            StepOutcome::Rejected { resampled: 5 }
-        );
-        assert_eq!(
-            verify_step(2, &[(2, 0.7), (5, 0.3)], &p, &mut rng),
-            StepOutcome::Rejected { resampled: 5 }
-        );
+        let accepted = verify(&chain(&[5]), &[vec![(5, 1.0)]], &[one_hot(5), one_hot(8)], &mut rng);
+        assert_eq!(accepted, Accepted { nodes: vec![0], bonus: 8 });
+        let rejected = verify(&chain(&[2]), &[vec![(2, 0.7), (5, 0.3)]], &[one_hot(5), one_hot(8)], &mut rng);
+        assert_eq!(rejected, Accepted { nodes: vec![], bonus: 5 });
+        // Two siblings: the second is the target's token and is kept.
+        let tree = DraftTree {
+            nodes: vec![
+                DraftNode { token: 2, parent: None, depth: 1, cand: 0, q: 0.7 },
+                DraftNode { token: 5, parent: None, depth: 1, cand: 1, q: 0.3 },
+            ],
+        };
+        let q = vec![(2, 0.7), (5, 0.3)];
+        let accepted = verify(&tree, &[q.clone(), q], &[one_hot(5), one_hot(1), one_hot(9)], &mut rng);
+        assert_eq!(accepted, Accepted { nodes: vec![1], bonus: 9 });
+    }
+
+    type TreeCase = (DraftTree, Vec<Vec<(i32, f32)>>, Vec<Distribution>);
+
+    /// A random tree of depth <= 3 with up to 3 children a node, drawn from random proposals
+    /// without replacement; returns the tree, each node's proposal and each row's target law.
+    fn random_tree(rng: &mut ChaCha8Rng, vocab: usize) -> TreeCase {
+        let mut tree = DraftTree::default();
+        let mut qs = Vec::new();
+        let mut open: Vec<Option<usize>> = vec![None];
+        while let Some(parent) = open.pop() {
+            let depth = parent.map_or(0, |p| tree.nodes[p].depth);
+            if depth == 3 {
+                continue;
+            }
+            let q = proposal(&random_weights(rng, vocab));
+            let width = rng.gen_range(0..=3);
+            for token in draw_without_replacement(&q, width, rng) {
+                tree.nodes.push(DraftNode { token, parent, depth: depth + 1, cand: 0, q: 1.0 });
+                qs.push(q.clone());
+                open.push(Some(tree.nodes.len() - 1));
+            }
+        }
+        let ps = (0..=tree.len()).map(|_| distribution(&random_weights(rng, vocab))).collect();
+        (tree, qs, ps)
     }
 
     #[test]
@@ -271,49 +338,39 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let (mut rejections, mut full_acceptances) = (0, 0);
         for _ in 0..500 {
-            let vocab = 4;
-            let drafts_len = rng.gen_range(0..4);
-            let mut drafts = Vec::new();
-            let mut qs = Vec::new();
-            for _ in 0..drafts_len {
-                let q = proposal(&random_weights(&mut rng, vocab));
-                drafts.push(sample_proposal(&q, &mut rng));
-                qs.push(q);
-            }
-            let ps: Vec<Distribution> = (0..=drafts_len)
-                .map(|_| distribution(&random_weights(&mut rng, vocab)))
-                .collect();
-
+            let (tree, qs, ps) = random_tree(&mut rng, 4);
             let mut verifier_rng = ChaCha8Rng::seed_from_u64(rng.gen());
             let mut replay = verifier_rng.clone();
             let words_before = verifier_rng.get_word_pos();
-            let result = verify_chain(&drafts, &qs, &ps, &mut verifier_rng);
-            let rejected = result.n_accepted < drafts_len;
-            let draws = result.n_accepted + 1 + usize::from(rejected);
-            // Each f64 draw consumes one u64, two ChaCha words.
-            assert_eq!(
-                verifier_rng.get_word_pos() - words_before,
-                2 * draws as u128
-            );
-            assert_eq!(verify_chain(&drafts, &qs, &ps, &mut replay), result);
-            if rejected {
+            let result = verify(&tree, &qs, &ps, &mut verifier_rng);
+            // Tested drafts: the siblings up to each kept node, then every child of the last one.
+            let mut tested = 0;
+            let mut parent = None;
+            for &node in &result.nodes {
+                tested += tree.children(parent).position(|c| c == node).unwrap() + 1;
+                parent = Some(node);
+            }
+            let last_children = tree.children(parent).count();
+            tested += last_children;
+            // Each f64 draw consumes one u64, two ChaCha words; one more draw for the emitted token.
+            assert_eq!(verifier_rng.get_word_pos() - words_before, 2 * (tested + 1) as u128);
+            assert_eq!(verify(&tree, &qs, &ps, &mut replay), result);
+            if last_children > 0 {
                 rejections += 1;
-            } else if drafts_len > 0 {
+            } else if !tree.is_empty() {
                 full_acceptances += 1;
             }
         }
-        assert!(
-            rejections > 50 && full_acceptances > 50,
-            "{rejections} rejections, {full_acceptances} full acceptances"
-        );
+        assert!(rejections > 50 && full_acceptances > 50, "{rejections} rejections, {full_acceptances} full acceptances");
     }
 
-    type Verifier = fn(&[i32], &[Vec<(i32, f32)>], &[Distribution], &mut ChaCha8Rng) -> ChainResult;
+    type Verifier = fn(&DraftTree, &[Vec<(i32, f32)>], &[Distribution], &mut ChaCha8Rng) -> Accepted;
 
     /// Total variation between the law of the first two tokens a speculative decoder emits with
-    /// `verifier` (two-draft cycles, redrafting after each) and the target's own law, over a
-    /// 4-token vocabulary where both target and drafter depend on the whole prefix.
-    fn two_token_total_variation(verifier: Verifier) -> f64 {
+    /// `verifier` and the target's own law, over a 4-token vocabulary where both target and
+    /// drafter depend on the whole prefix. Each cycle drafts a tree of depth 2 with
+    /// `siblings` children a node (drawn without replacement), then redrafts after what it emitted.
+    fn two_token_total_variation(verifier: Verifier, siblings: usize) -> f64 {
         let vocab = 4;
         let mut tables_rng = ChaCha8Rng::seed_from_u64(5);
         let mut targets: HashMap<Vec<i32>, Distribution> = HashMap::new();
@@ -322,14 +379,8 @@ mod tests {
         for _ in 0..=3 {
             let mut longer = Vec::new();
             for prefix in prefixes {
-                targets.insert(
-                    prefix.clone(),
-                    distribution(&random_weights(&mut tables_rng, vocab)),
-                );
-                proposals.insert(
-                    prefix.clone(),
-                    proposal(&random_weights(&mut tables_rng, vocab)),
-                );
+                targets.insert(prefix.clone(), distribution(&random_weights(&mut tables_rng, vocab)));
+                proposals.insert(prefix.clone(), proposal(&random_weights(&mut tables_rng, vocab)));
                 longer.extend((0..vocab as i32).map(|t| [prefix.as_slice(), &[t]].concat()));
             }
             prefixes = longer;
@@ -339,23 +390,30 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         let mut counts = vec![0usize; vocab * vocab];
         for _ in 0..samples {
-            let mut emitted = Vec::new();
+            let mut emitted: Vec<i32> = Vec::new();
             while emitted.len() < 2 {
-                let mut context = emitted.clone();
-                let mut drafts = Vec::new();
+                let mut tree = DraftTree::default();
                 let mut qs = Vec::new();
-                let mut ps = vec![targets[&context].clone()];
-                for _ in 0..2 {
+                let mut contexts = vec![emitted.clone()];
+                let mut open: Vec<Option<usize>> = vec![None];
+                while let Some(parent) = open.pop() {
+                    let context = contexts[parent.map_or(0, |p| p + 1)].clone();
+                    let depth = parent.map_or(0, |p| tree.nodes[p].depth);
+                    if depth == 2 {
+                        continue;
+                    }
                     let q = proposals[&context].clone();
-                    let draft = sample_proposal(&q, &mut rng);
-                    context.push(draft);
-                    drafts.push(draft);
-                    qs.push(q);
-                    ps.push(targets[&context].clone());
+                    for token in draw_without_replacement(&q, siblings, &mut rng) {
+                        tree.nodes.push(DraftNode { token, parent, depth: depth + 1, cand: 0, q: 1.0 });
+                        qs.push(q.clone());
+                        contexts.push([context.as_slice(), &[token]].concat());
+                        open.push(Some(tree.nodes.len() - 1));
+                    }
                 }
-                let result = verifier(&drafts, &qs, &ps, &mut rng);
-                emitted.extend_from_slice(&drafts[..result.n_accepted]);
-                emitted.push(result.next);
+                let ps: Vec<Distribution> = contexts.iter().map(|c| targets[c].clone()).collect();
+                let result = verifier(&tree, &qs, &ps, &mut rng);
+                emitted.extend(result.nodes.iter().map(|&n| tree.nodes[n].token));
+                emitted.push(result.bonus);
             }
             counts[emitted[0] as usize * vocab + emitted[1] as usize] += 1;
         }
@@ -363,10 +421,8 @@ mod tests {
         let mut total_variation = 0.0;
         for first in 0..vocab as i32 {
             for second in 0..vocab as i32 {
-                let exact = f64::from(targets[&vec![]].prob(first))
-                    * f64::from(targets[&vec![first]].prob(second));
-                let empirical =
-                    counts[first as usize * vocab + second as usize] as f64 / samples as f64;
+                let exact = f64::from(targets[&vec![]].prob(first)) * f64::from(targets[&vec![first]].prob(second));
+                let empirical = counts[first as usize * vocab + second as usize] as f64 / samples as f64;
                 total_variation += (exact - empirical).abs() / 2.0;
             }
         }
@@ -374,19 +430,28 @@ mod tests {
     }
 
     #[test]
-    fn chain_emits_the_target_law() {
-        let tv = two_token_total_variation(verify_chain);
-        eprintln!("lossless chain: total variation {tv}");
-        assert!(tv < 0.01, "total variation {tv}");
+    fn chains_and_trees_emit_the_target_law() {
+        for siblings in [1, 2, 3] {
+            let tv = two_token_total_variation(verify, siblings);
+            eprintln!("{siblings} siblings a node: total variation {tv}");
+            assert!(tv < 0.01, "{siblings} siblings: total variation {tv}");
+        }
     }
 
     #[test]
-    fn accepting_every_draft_fails_the_same_check() {
-        let tv = two_token_total_variation(|drafts, _, ps, rng| ChainResult {
-            n_accepted: drafts.len(),
-            next: ps[drafts.len()].sample(rng),
-        });
-        eprintln!("accept-all chain: total variation {tv}");
+    fn accepting_the_first_child_always_fails_the_same_check() {
+        let tv = two_token_total_variation(
+            |tree, _, ps, rng| {
+                let mut nodes = Vec::new();
+                while let Some(child) = tree.children(nodes.last().copied()).next() {
+                    nodes.push(child);
+                }
+                let row = nodes.last().map_or(0, |&n| n + 1);
+                Accepted { nodes, bonus: ps[row].sample(rng) }
+            },
+            2,
+        );
+        eprintln!("accept-all: total variation {tv}");
         assert!(tv > 0.1, "total variation {tv}");
     }
 }
