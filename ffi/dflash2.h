@@ -115,7 +115,8 @@ typedef struct dflash2_sampling {
     uint64_t seed;
 } dflash2_sampling;
 
-/* Engine settings: fill with dflash2_engine_params_init, then set the paths. */
+/* Engine settings: fill with dflash2_engine_params_init, then set the paths. KV caches are
+ * f16 for the target and q8_0 for the drafter (the CLI's -ctk/-ctv/-ctkd/-ctvd defaults). */
 typedef struct dflash2_engine_params {
     const char *target_path;  /* target GGUF (required) */
     const char *drafter_path; /* DFlash / DFlash 2 drafter GGUF; NULL: plain decoding whatever `select` says */

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::llama::{Batch, ChatMessage, Context, ContextParams, FeatureSource, Model, Token};
+use crate::llama::{Batch, CacheType, ChatMessage, Context, ContextParams, FeatureSource, Model, Token};
 
 /// What the file holds (also written into its metadata, for whoever opens it).
 pub const DATASET_FORMAT: &str = "dflash2-dataset-v1: tokens I32[N]; next I32[N] = target argmax after \
@@ -80,6 +80,8 @@ impl Extractor {
             kv_unified: true,
             // as the engine runs the target: features must match inference bit for bit
             flash_attn: false,
+            cache_k: CacheType::F16,
+            cache_v: CacheType::F16,
         };
         let ctx = Context::new(target.clone(), &params, None)?;
         Ok(Self { target, mask_token, ctx, max_len })

@@ -8,7 +8,7 @@ use crate::draft::cost::CostModel;
 use crate::draft::drafter::Drafter;
 use crate::draft::select::{proposal, sample_draft, BestPath, Greedy, Selector, TreeBestFirst};
 use crate::draft::{lattice, DraftTree};
-use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
+use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
 use crate::sampling::{Distribution, Sampler, SamplingParams};
 use crate::verify::{accept_greedy, verify_tree};
 use std::path::PathBuf;
@@ -54,6 +54,25 @@ pub struct EngineConfig {
     pub features: FeatureMode,
     /// Conversations held side by side, decoded together (one cache sequence each).
     pub n_slots: usize,
+    pub cache: CacheTypes,
+}
+
+/// Element types of the two models' KV caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheTypes {
+    pub target_k: CacheType,
+    /// Quantized only with flash attention, which the target runs without.
+    pub target_v: CacheType,
+    pub draft_k: CacheType,
+    pub draft_v: CacheType,
+}
+
+impl Default for CacheTypes {
+    /// The drafter's numerics never change the output, and on CPU a q8_0 drafter cache
+    /// drafts faster at the same acceptance (BENCHMARKS.md).
+    fn default() -> Self {
+        Self { target_k: CacheType::F16, target_v: CacheType::F16, draft_k: CacheType::Q8_0, draft_v: CacheType::Q8_0 }
+    }
 }
 
 impl EngineConfig {
@@ -67,6 +86,7 @@ impl EngineConfig {
             n_gpu_layers: 999,
             features: FeatureMode::Auto,
             n_slots: 1,
+            cache: CacheTypes::default(),
         }
     }
 }
@@ -339,10 +359,12 @@ impl Engine {
             kv_unified: unified,
             // Verify batches must reproduce single-token decoding bit for bit.
             flash_attn: false,
+            cache_k: cfg.cache.target_k,
+            cache_v: cfg.cache.target_v,
         };
         let target_ctx = Context::new(target, &params, None)?;
         let drafter = match drafter {
-            Some(d) => Some(Drafter::new(d, &target_ctx, n_slots, cfg.n_threads)?),
+            Some(d) => Some(Drafter::new(d, &target_ctx, n_slots, cfg.n_threads, cfg.cache.draft_k, cfg.cache.draft_v)?),
             None => None,
         };
         Ok(Self {

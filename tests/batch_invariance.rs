@@ -18,6 +18,7 @@ fn tail_logits(model: &Arc<Model>, tokens: &[i32], tail: usize, chunk: usize) ->
         features: FeatureSource::None,
         kv_unified: true,
         flash_attn: false,
+        ..ContextParams::default()
     };
     let mut ctx = Context::new(model.clone(), &params, None).unwrap();
     let mut b = Batch::tokens(512, 1);

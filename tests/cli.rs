@@ -102,3 +102,25 @@ fn missing_model_file_is_a_clear_error() {
     assert!(err.contains("/nonexistent/model.gguf"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn kv_cache_types_take_llama_cpp_spellings_and_keep_the_output() {
+    let drafter = path("drafter-dflash2.gguf");
+    let spec = generate_json(&["-d", &drafter, "--block", "8", "-ctk", "q8_0", "-ctkd", "f16", "-ctvd", "q4_0"]);
+    let plain = generate_json(&["--select", "none", "--cache-type-k", "q8_0"]);
+    assert_eq!(spec["tokens"], plain["tokens"]);
+}
+
+#[test]
+fn bad_kv_cache_types_are_refused_with_the_reason() {
+    let target = path("target.gguf");
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "-n", "4", "-ctk", "q3_x"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("unknown KV cache type `q3_x`") && err.contains("q8_0"), "{err}");
+    // The target runs without flash attention, which llama.cpp needs to quantize V.
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "-n", "4", "-ctv", "q8_0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("flash attention") && err.contains("f16"), "{err}");
+}

@@ -12,7 +12,7 @@ mod common;
 
 use dflash2::draft::{drafter::Drafter, Lattice};
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
-use dflash2::llama::{Context, ContextParams, FeatureSource, Model, ModelParams, Token};
+use dflash2::llama::{CacheType, Context, ContextParams, FeatureSource, Model, ModelParams, Token};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -120,9 +120,11 @@ fn llama_lattice(target: &Path, drafter: &Path, data: &Path, seq: usize, anchor:
         features: FeatureSource::None,
         kv_unified: true,
         flash_attn: false,
+        ..ContextParams::default()
     };
     let tctx = Context::new(target, &params, None).unwrap();
-    let mut d = Drafter::new(drafter, &tctx, 1, 2).unwrap();
+    // f16 caches, not the engine's q8_0: the scores are compared with the reference to 2e-3
+    let mut d = Drafter::new(drafter, &tctx, 1, 2, CacheType::F16, CacheType::F16).unwrap();
     d.inject(&rows, 0, 0).unwrap();
     let anchor_token = tokens[start + anchor];
     (d.draft(&[(anchor_token as Token, anchor, 0)], block).unwrap().remove(0), anchor_token)

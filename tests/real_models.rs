@@ -4,8 +4,8 @@
 //! shipped, trained drafter on held-apart HumanEval prompts (it must also be accepted).
 mod common;
 
-use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
-use dflash2::llama::{ChatMessage, Model, ModelParams, Token};
+use dflash2::engine::{CacheTypes, Engine, EngineConfig, GenerateOptions, SelectMode};
+use dflash2::llama::{CacheType, ChatMessage, Model, ModelParams, Token};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -26,7 +26,7 @@ struct Tally {
 }
 
 /// Every mode `(select, block)` (trees of `tree_budget` nodes) gives plain decoding's
-/// output on every prompt.
+/// output (with the same `cache` types) on every prompt.
 fn check_target(
     file: &str,
     drafter: Option<&Path>,
@@ -34,6 +34,7 @@ fn check_target(
     n_predict: usize,
     modes: &[(SelectMode, usize)],
     tree_budget: usize,
+    cache: CacheTypes,
 ) -> Vec<Tally> {
     let target_path = common::real_model(file);
     let dir = common::scratch_dir(&format!("real-{file}"));
@@ -47,6 +48,7 @@ fn check_target(
     let drafter = Arc::new(Model::load(&drafter_path, &ModelParams::default()).unwrap());
     let mut cfg = EngineConfig::new(target_path.clone(), None);
     cfg.n_ctx = 1024;
+    cfg.cache = cache;
     let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
     let mut spec = Engine::from_models(target.clone(), Some(drafter), &cfg).unwrap();
 
@@ -94,13 +96,14 @@ fn smollm2_speculative_equals_plain() {
         48,
         &[(SelectMode::Greedy, 16), (SelectMode::Greedy, 4), (SelectMode::BestPath, 8), (SelectMode::Tree, 6), (SelectMode::Upstream, 8)],
         8,
+        CacheTypes::default(),
     );
 }
 
 #[test]
 fn qwen2_coder_speculative_equals_plain() {
     assert!(Path::new(&common::real_model(common::QWEN_05B)).is_file());
-    check_target(common::QWEN_05B, None, &fixed_prompts(), 24, &[(SelectMode::Greedy, 4), (SelectMode::BestPath, 4), (SelectMode::Tree, 4)], 8);
+    check_target(common::QWEN_05B, None, &fixed_prompts(), 24, &[(SelectMode::Greedy, 4), (SelectMode::BestPath, 4), (SelectMode::Tree, 4)], 8, CacheTypes::default());
 }
 
 /// Greedy tau (block 16, 64 tokens, 10 held-apart prompts) below which the shipped drafter
@@ -115,7 +118,7 @@ fn smollm2_shipped_drafter_is_lossless_and_accepted() {
     let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
     let prompts = heldout_prompts(0..10);
     let modes = [(SelectMode::Greedy, 16), (SelectMode::BestPath, 16), (SelectMode::Tree, 16), (SelectMode::Greedy, 4)];
-    let tally = check_target(common::SMOLLM2, Some(&drafter), &prompts, 64, &modes, 8);
+    let tally = check_target(common::SMOLLM2, Some(&drafter), &prompts, 64, &modes, 8, CacheTypes::default());
     let tau: Vec<f64> = tally.iter().map(|t| t.tau).collect();
     eprintln!("shipped drafter tau (greedy 16, best-path 16, tree 16, greedy 4): {tau:?}");
     assert!(tau[0] >= TRAINED_TAU_FLOOR, "greedy tau {} at block 16: the shipped drafter is not the trained one", tau[0]);
@@ -127,8 +130,18 @@ fn smollm2_shipped_drafter_is_lossless_and_accepted() {
 #[test]
 fn smollm2_tree_side_branches_match_plain_decoding() {
     let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
-    let tally = check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(7..8), 128, &[(SelectMode::Tree, 16)], 32);
+    let tally = check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(7..8), 128, &[(SelectMode::Tree, 16)], 32, CacheTypes::default());
     assert!(tally[0].redecoded > 0, "no side branch was accepted: the test no longer covers them");
+}
+
+/// A quantized target K cache (`-ctk q8_0`, llama.cpp's memory saver) and f16 drafter
+/// caches: speculative output still equals plain decoding with the same target cache.
+#[test]
+fn smollm2_quantized_target_k_cache_stays_lossless() {
+    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let cache = CacheTypes { target_k: CacheType::Q8_0, draft_k: CacheType::F16, draft_v: CacheType::F16, ..CacheTypes::default() };
+    let modes = [(SelectMode::Greedy, 16), (SelectMode::Tree, 16)];
+    check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(0..4), 64, &modes, 16, cache);
 }
 
 /// Held-apart HumanEval prompts (never trained on), by index.

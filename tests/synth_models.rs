@@ -22,7 +22,7 @@ fn load(name: &str) -> Arc<Model> {
 }
 
 fn context(model: &Arc<Model>) -> Context {
-    let params = ContextParams { n_ctx: 256, n_batch: 64, n_seq_max: 1, n_threads: 2, features: FeatureSource::None, kv_unified: true, flash_attn: false };
+    let params = ContextParams { n_ctx: 256, n_batch: 64, n_seq_max: 1, n_threads: 2, features: FeatureSource::None, kv_unified: true, flash_attn: false, ..ContextParams::default() };
     Context::new(model.clone(), &params, None).unwrap()
 }
 

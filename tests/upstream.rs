@@ -5,7 +5,7 @@ mod common;
 use dflash2::draft::drafter::Drafter;
 use dflash2::draft::select::{Greedy, Selector};
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
-use dflash2::llama::{Batch, Context, ContextParams, FeatureSource, Model, ModelParams};
+use dflash2::llama::{CacheType, Batch, Context, ContextParams, FeatureSource, Model, ModelParams};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -24,9 +24,10 @@ fn same_drafts(target: Arc<Model>, drafter_model: Arc<Model>, prompts: &[&str]) 
         features: FeatureSource::Native(layers),
         kv_unified: true,
         flash_attn: false,
+        ..ContextParams::default()
     };
     let mut ctx = Context::new(target.clone(), &params, None).unwrap();
-    let mut drafter = Drafter::new(drafter_model, &ctx, 1, 2).unwrap();
+    let mut drafter = Drafter::new(drafter_model, &ctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
     let block = drafter.trained_block();
     let mut compared = 0;
     for text in prompts {

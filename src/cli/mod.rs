@@ -11,6 +11,8 @@ pub mod synth;
 
 use clap::{Parser, Subcommand};
 
+use crate::llama::CacheType;
+
 #[derive(Parser, Debug)]
 #[command(name = "dflash2", version, about = "DFlash 2 speculative decoding for llama.cpp, lossless")]
 pub struct Cli {
@@ -148,6 +150,36 @@ pub struct ModelArgs {
     /// Where the target's layer inputs come from.
     #[arg(long, value_enum, default_value_t = crate::engine::FeatureMode::Auto)]
     pub features: crate::engine::FeatureMode,
+    /// KV cache type of the target's K (`-ctk` as in llama.cpp): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1.
+    #[arg(long = "cache-type-k", default_value_t = CacheType::F16)]
+    pub cache_type_k: CacheType,
+    /// KV cache type of the target's V (`-ctv`): f32, f16 or bf16 (llama.cpp quantizes V only with flash
+    /// attention, which the target runs without).
+    #[arg(long = "cache-type-v", default_value_t = CacheType::F16)]
+    pub cache_type_v: CacheType,
+    /// KV cache type of the drafter's K (`-ctkd`); its numerics never change the output.
+    #[arg(long = "cache-type-k-draft", default_value_t = CacheType::Q8_0)]
+    pub cache_type_k_draft: CacheType,
+    /// KV cache type of the drafter's V (`-ctvd`).
+    #[arg(long = "cache-type-v-draft", default_value_t = CacheType::Q8_0)]
+    pub cache_type_v_draft: CacheType,
+}
+
+/// llama.cpp spells some long flags with one dash (`-ctk q8_0`); clap cannot, so they are
+/// rewritten to their long form before parsing.
+pub fn llama_style_args(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    const SPELLINGS: [(&str, &str); 4] = [
+        ("-ctk", "--cache-type-k"),
+        ("-ctv", "--cache-type-v"),
+        ("-ctkd", "--cache-type-k-draft"),
+        ("-ctvd", "--cache-type-v-draft"),
+    ];
+    args.into_iter()
+        .map(|arg| match SPELLINGS.iter().find(|(short, _)| arg.to_str() == Some(short)) {
+            Some((_, long)) => long.into(),
+            None => arg,
+        })
+        .collect()
 }
 
 impl ModelArgs {
@@ -158,6 +190,12 @@ impl ModelArgs {
         cfg.n_threads = self.threads;
         cfg.n_gpu_layers = self.gpu_layers;
         cfg.features = self.features;
+        cfg.cache = crate::engine::CacheTypes {
+            target_k: self.cache_type_k,
+            target_v: self.cache_type_v,
+            draft_k: self.cache_type_k_draft,
+            draft_v: self.cache_type_v_draft,
+        };
         cfg
     }
 }

@@ -1,7 +1,7 @@
 //! The DFlash drafter as llama.cpp runs it: target features are injected into its KV
 //! cache, then one decode of `[last, MASK x (B-1)]` drafts a whole block.
 use super::Lattice;
-use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, Result, Token, UpstreamDrafter};
+use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, Result, Token, UpstreamDrafter};
 use std::sync::Arc;
 
 /// Candidates per position read from a DFlash 1 drafter's logits.
@@ -27,7 +27,15 @@ impl Drafter {
     /// Create the drafter's context next to the target's (it borrows the target's
     /// embeddings and output head through it).
     /// `n_seqs` conversations can draft side by side (sequence ids `0..n_seqs`).
-    pub fn new(model: Arc<Model>, target: &Context, n_seqs: usize, n_threads: i32) -> Result<Self> {
+    /// `cache_k` / `cache_v`: element types of the drafter's KV cache.
+    pub fn new(
+        model: Arc<Model>,
+        target: &Context,
+        n_seqs: usize,
+        n_threads: i32,
+        cache_k: CacheType,
+        cache_v: CacheType,
+    ) -> Result<Self> {
         let mask = model.mask_token().ok_or_else(|| {
             LlamaError::Invalid(format!("drafter {} has no mask token (tokenizer.ggml.mask_token_id)", model.path()))
         })?;
@@ -39,6 +47,18 @@ impl Drafter {
         let causal = model.meta("dflash.attention.causal").is_some_and(|v| v == "true");
         let k = model.selector_top_k();
         let selector_k = (k > 0).then_some(k);
+        // The drafter's numerics never change the output: where its heads do not fill whole
+        // blocks of a quantized type, f16 stands in rather than failing.
+        let (head_k, head_v) = model.head_sizes();
+        let fit = |t: CacheType, head: usize| {
+            if t.fits(head) {
+                t
+            } else {
+                tracing::info!("drafter heads of {head} values do not fit a {t} cache: f16 instead");
+                CacheType::F16
+            }
+        };
+        let (cache_k, cache_v) = (fit(cache_k, head_k), fit(cache_v, head_v));
         let n_batch = target.n_batch().max(trained_block * n_seqs);
         let params = ContextParams {
             n_ctx: target.n_ctx_per_seq() * n_seqs,
@@ -50,6 +70,8 @@ impl Drafter {
             // do not affect what is generated.
             kv_unified: true,
             flash_attn: true,
+            cache_k,
+            cache_v,
         };
         let feature_width = n_layers * target.model().n_embd();
         let mut ctx = Context::new(model, &params, Some(target))?;

@@ -24,6 +24,80 @@ impl FeatureSource {
     }
 }
 
+/// Element type of a KV cache: the values of llama.cpp's `--cache-type-k` / `--cache-type-v`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheType {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Iq4Nl,
+    Q5_0,
+    Q5_1,
+}
+
+impl CacheType {
+    const ALL: [(CacheType, &'static str); 9] = [
+        (CacheType::F32, "f32"),
+        (CacheType::F16, "f16"),
+        (CacheType::Bf16, "bf16"),
+        (CacheType::Q8_0, "q8_0"),
+        (CacheType::Q4_0, "q4_0"),
+        (CacheType::Q4_1, "q4_1"),
+        (CacheType::Iq4Nl, "iq4_nl"),
+        (CacheType::Q5_0, "q5_0"),
+        (CacheType::Q5_1, "q5_1"),
+    ];
+
+    pub fn name(self) -> &'static str {
+        Self::ALL.iter().find(|(t, _)| *t == self).map(|(_, n)| *n).expect("every type is listed")
+    }
+
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, CacheType::F32 | CacheType::F16 | CacheType::Bf16)
+    }
+
+    /// Whether heads of `head_size` values fill whole blocks of this type (llama.cpp's condition).
+    pub fn fits(self, head_size: usize) -> bool {
+        let block = unsafe { sys::ggml_blck_size(self.ggml()) }.max(1) as usize;
+        head_size % block == 0
+    }
+
+    fn ggml(self) -> sys::ggml_type {
+        match self {
+            CacheType::F32 => sys::GGML_TYPE_F32,
+            CacheType::F16 => sys::GGML_TYPE_F16,
+            CacheType::Bf16 => sys::GGML_TYPE_BF16,
+            CacheType::Q8_0 => sys::GGML_TYPE_Q8_0,
+            CacheType::Q4_0 => sys::GGML_TYPE_Q4_0,
+            CacheType::Q4_1 => sys::GGML_TYPE_Q4_1,
+            CacheType::Iq4Nl => sys::GGML_TYPE_IQ4_NL,
+            CacheType::Q5_0 => sys::GGML_TYPE_Q5_0,
+            CacheType::Q5_1 => sys::GGML_TYPE_Q5_1,
+        }
+    }
+}
+
+impl std::str::FromStr for CacheType {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let lower = s.to_ascii_lowercase();
+        Self::ALL.iter().find(|(_, n)| *n == lower).map(|(t, _)| *t).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|(_, n)| *n).collect();
+            format!("unknown KV cache type `{s}` (one of {})", names.join(", "))
+        })
+    }
+}
+
+impl std::fmt::Display for CacheType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ContextParams {
     pub n_ctx: usize,
@@ -38,6 +112,27 @@ pub struct ContextParams {
     /// a single-token decode above 256 cells and rounds differently from a multi-token
     /// decode, so a context whose outputs must not depend on the batch shape turns it off.
     pub flash_attn: bool,
+    /// Element types of the K and V caches. llama.cpp quantizes V only with flash attention.
+    pub cache_k: CacheType,
+    pub cache_v: CacheType,
+}
+
+impl Default for ContextParams {
+    /// One sequence of 4096 tokens without feature capture, run as the target is
+    /// (no flash attention), f16 caches.
+    fn default() -> Self {
+        Self {
+            n_ctx: 4096,
+            n_batch: 512,
+            n_seq_max: 1,
+            n_threads: 2,
+            features: FeatureSource::None,
+            kv_unified: true,
+            flash_attn: false,
+            cache_k: CacheType::F16,
+            cache_v: CacheType::F16,
+        }
+    }
 }
 
 /// The raw context plus what must outlive it (its model, the capture state the
@@ -87,7 +182,28 @@ impl Context {
     /// A context over `model`. A DFlash drafter context passes its target's context as
     /// `other`: the drafter borrows the target's embeddings and output head from it.
     pub fn new(model: Arc<Model>, params: &ContextParams, other: Option<&Context>) -> Result<Self> {
+        if params.cache_v.is_quantized() && !params.flash_attn {
+            // llama.cpp would only say that it cannot create the context.
+            return Err(LlamaError::Invalid(format!(
+                "a {} V cache: llama.cpp quantizes the V cache only with flash attention, and {} runs without it \
+                 (the target's CPU kernel rounds batches differently from single tokens); use f16 or f32 (a quantized K \
+                 cache is fine)",
+                params.cache_v,
+                model.path()
+            )));
+        }
+        let (head_k, head_v) = model.head_sizes();
+        for (what, t, head) in [("K", params.cache_k, head_k), ("V", params.cache_v, head_v)] {
+            if !t.fits(head) {
+                return Err(LlamaError::Invalid(format!(
+                    "a {t} {what} cache stores attention heads in whole blocks, and the heads of {} have {head} values: use f16",
+                    model.path()
+                )));
+            }
+        }
         let mut cp = unsafe { sys::llama_context_default_params() };
+        cp.type_k = params.cache_k.ggml();
+        cp.type_v = params.cache_v.ggml();
         cp.n_ctx = params.n_ctx as u32;
         cp.n_batch = params.n_batch as u32;
         cp.n_ubatch = params.n_batch as u32;

@@ -14,7 +14,7 @@ mod shim;
 mod upstream;
 
 pub use batch::Batch;
-pub use context::{Context, ContextParams, FeatureSource};
+pub use context::{CacheType, Context, ContextParams, FeatureSource};
 pub use model::{ChatMessage, Model, ModelParams};
 pub use upstream::UpstreamDrafter;
 

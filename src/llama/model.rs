@@ -72,6 +72,18 @@ impl Model {
         unsafe { sys::llama_model_n_embd(self.as_ptr()) as usize }
     }
 
+    /// Values in one attention head's K and in its V (`{arch}.attention.key_length` /
+    /// `value_length`, else n_embd / n_head): a quantized KV cache stores them in whole blocks.
+    pub fn head_sizes(&self) -> (usize, usize) {
+        let n_head = unsafe { sys::llama_model_n_head(self.as_ptr()) }.max(1) as usize;
+        let fallback = self.n_embd() / n_head;
+        let arch = self.architecture();
+        let read = |key: &str| {
+            self.meta(&format!("{arch}.attention.{key}")).and_then(|v| v.trim().parse().ok()).unwrap_or(fallback)
+        };
+        (read("key_length"), read("value_length"))
+    }
+
     pub fn n_layer(&self) -> usize {
         unsafe { sys::llama_model_n_layer(self.as_ptr()) as usize }
     }
