@@ -764,25 +764,12 @@ impl Engine {
 
     /// Greedy verification: follow the target's argmax down the plan's draft.
     fn accept_greedy(&mut self, p: &Plan, sampler: &Sampler) -> Result<(Vec<usize>, Token)> {
-        let failure = std::cell::RefCell::new(None);
-        let history = std::cell::RefCell::new(std::mem::take(&mut self.history));
-        let cached = &self.slots[p.slot].cached;
-        let accepted = accept_greedy(&p.tree, |row| {
-            let mut h = history.borrow_mut();
-            fill_row_history(&mut h, cached, p.last, &p.tree, row, sampler.params());
-            match self.target.logits(p.row0 + row) {
-                Ok(l) => sampler.distribution(l, &h).argmax(),
-                Err(e) => {
-                    failure.borrow_mut().get_or_insert(e);
-                    -1
-                }
-            }
-        });
-        self.history = history.into_inner();
-        match failure.into_inner() {
-            Some(e) => Err(e.into()),
-            None => Ok((accepted.nodes, accepted.bonus)),
-        }
+        let (history, cached, target) = (&mut self.history, &self.slots[p.slot].cached, &self.target);
+        let accepted = accept_greedy(&p.tree, |row| -> Result<Token> {
+            fill_row_history(history, cached, p.last, &p.tree, row, sampler.params());
+            Ok(sampler.distribution(target.logits(p.row0 + row)?, history).argmax())
+        })?;
+        Ok((accepted.nodes, accepted.bonus))
     }
 
     /// Keep `last` and the accepted `path` in the slot's sequence of the target cache;

@@ -8,18 +8,21 @@ use crate::draft::DraftTree;
 /// token of a child, descend into that child (the first one in node order if siblings
 /// repeat a token). `target_argmax(row)` is the target's greedy token at verify-batch row
 /// `row` (0 = anchor, `i + 1` = node `i`); it is only called for rows on the accepted path.
-pub fn accept_greedy(tree: &DraftTree, target_argmax: impl Fn(usize) -> i32) -> Accepted {
+pub fn accept_greedy<E>(
+    tree: &DraftTree,
+    mut target_argmax: impl FnMut(usize) -> Result<i32, E>,
+) -> Result<Accepted, E> {
     let mut nodes = Vec::new();
     let mut current: Option<usize> = None;
     loop {
         let row = current.map_or(0, |node| node + 1);
-        let predicted = target_argmax(row);
+        let predicted = target_argmax(row)?;
         match tree.children(current).find(|&child| tree.nodes[child].token == predicted) {
             Some(child) => {
                 nodes.push(child);
                 current = Some(child);
             }
-            None => return Accepted { nodes, bonus: predicted },
+            None => return Ok(Accepted { nodes, bonus: predicted }),
         }
     }
 }
@@ -29,6 +32,10 @@ mod tests {
     use super::*;
     use crate::draft::DraftNode;
     use std::cell::RefCell;
+
+    fn walk(tree: &DraftTree, target_argmax: impl Fn(usize) -> i32) -> Accepted {
+        accept_greedy(tree, |row| Ok::<_, ()>(target_argmax(row))).unwrap()
+    }
 
     fn node(token: i32, parent: Option<usize>, depth: usize) -> DraftNode {
         DraftNode { token, parent, depth, cand: 0, q: 1.0 }
@@ -53,7 +60,7 @@ mod tests {
                         7
                     }
                 };
-                let result = accept_greedy(&tree, target);
+                let result = walk(&tree, target);
                 assert_eq!(
                     result.nodes,
                     (0..accept).collect::<Vec<_>>(),
@@ -67,7 +74,7 @@ mod tests {
 
     #[test]
     fn empty_draft_commits_only_the_bonus() {
-        let result = accept_greedy(&DraftTree::default(), |_| 42);
+        let result = walk(&DraftTree::default(), |_| 42);
         assert_eq!(result, Accepted { nodes: vec![], bonus: 42 });
     }
 
@@ -97,7 +104,7 @@ mod tests {
             7 => 50,
             _ => panic!("row {row} is off the accepted path"),
         };
-        assert_eq!(accept_greedy(&tree, target), Accepted { nodes: vec![1, 4, 6], bonus: 50 });
+        assert_eq!(walk(&tree, target), Accepted { nodes: vec![1, 4, 6], bonus: 50 });
     }
 
     #[test]
@@ -108,8 +115,8 @@ mod tests {
             3 => 31,
             _ => panic!("row {row} is off the accepted path"),
         };
-        assert_eq!(accept_greedy(&tree, target), Accepted { nodes: vec![2], bonus: 31 });
-        assert_eq!(accept_greedy(&tree, |_| 99), Accepted { nodes: vec![], bonus: 99 });
+        assert_eq!(walk(&tree, target), Accepted { nodes: vec![2], bonus: 31 });
+        assert_eq!(walk(&tree, |_| 99), Accepted { nodes: vec![], bonus: 99 });
     }
 
     #[test]
@@ -122,7 +129,7 @@ mod tests {
                 node(6, Some(0), 2),
             ],
         };
-        let result = accept_greedy(&tree, |row| if row == 0 { 5 } else { 6 });
+        let result = walk(&tree, |row| if row == 0 { 5 } else { 6 });
         assert_eq!(result.nodes, vec![0, 3]);
         assert_eq!(result.bonus, 6);
     }
