@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::llama::{Batch, CacheType, ChatMessage, Context, ContextParams, FeatureSource, Model, Token};
+use crate::llama::{Batch, ChatMessage, Context, ContextParams, FeatureSource, Model, Token};
 
 /// What the file holds (also written into its metadata, for whoever opens it).
 pub const DATASET_FORMAT: &str = "dflash2-dataset-v1: tokens I32[N]; next I32[N] = target argmax after \
@@ -74,14 +74,11 @@ impl Extractor {
         let params = ContextParams {
             n_ctx: max_len,
             n_batch: 512.min(max_len),
-            n_seq_max: 1,
             n_threads,
             features: FeatureSource::auto(&target.architecture(), layers),
-            kv_unified: true,
-            // as the engine runs the target: features must match inference bit for bit
-            flash_attn: false,
-            cache_k: CacheType::F16,
-            cache_v: CacheType::F16,
+            // the defaults run it as the engine runs the target (no flash attention, f16
+            // caches): features must match inference bit for bit
+            ..ContextParams::default()
         };
         let ctx = Context::new(target.clone(), &params, None)?;
         Ok(Self { target, mask_token, ctx, max_len })

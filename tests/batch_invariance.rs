@@ -4,22 +4,13 @@
 //! path would split the cache and round differently; the engine turns it off).
 mod common;
 
-use dflash2::llama::{Batch, Context, ContextParams, FeatureSource, Model, ModelParams};
+use dflash2::llama::{Batch, Context, ContextParams, Model, ModelParams};
 use std::sync::Arc;
 
 /// Logits of the last `tail` tokens of `tokens`, fed `chunk` at a time after the rest.
 fn tail_logits(model: &Arc<Model>, tokens: &[i32], tail: usize, chunk: usize) -> Vec<Vec<f32>> {
-    // The same context settings as the engine's target.
-    let params = ContextParams {
-        n_ctx: 1024,
-        n_batch: 512,
-        n_seq_max: 1,
-        n_threads: 2,
-        features: FeatureSource::None,
-        kv_unified: true,
-        flash_attn: false,
-        ..ContextParams::default()
-    };
+    // The defaults are the engine's target settings (no flash attention, f16 caches).
+    let params = ContextParams { n_ctx: 1024, ..ContextParams::default() };
     let mut ctx = Context::new(model.clone(), &params, None).unwrap();
     let mut b = Batch::tokens(512, 1);
     let n0 = tokens.len() - tail;

@@ -12,7 +12,7 @@ mod common;
 
 use dflash2::draft::{drafter::Drafter, Lattice};
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
-use dflash2::llama::{CacheType, Context, ContextParams, FeatureSource, Model, ModelParams, Token};
+use dflash2::llama::{CacheType, Context, ContextParams, Model, ModelParams, Token};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -112,16 +112,7 @@ fn llama_lattice(target: &Path, drafter: &Path, data: &Path, seq: usize, anchor:
 
     let target = Arc::new(Model::load(target, &ModelParams::default()).unwrap());
     let drafter = Arc::new(Model::load(drafter, &ModelParams::default()).unwrap());
-    let params = ContextParams {
-        n_ctx: 512,
-        n_batch: 256,
-        n_seq_max: 1,
-        n_threads: 2,
-        features: FeatureSource::None,
-        kv_unified: true,
-        flash_attn: false,
-        ..ContextParams::default()
-    };
+    let params = ContextParams { n_ctx: 512, n_batch: 256, ..ContextParams::default() };
     let tctx = Context::new(target, &params, None).unwrap();
     // f16 caches, not the engine's q8_0: the scores are compared with the reference to 2e-3
     let mut d = Drafter::new(drafter, &tctx, 1, 2, CacheType::F16, CacheType::F16).unwrap();

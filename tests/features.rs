@@ -7,7 +7,7 @@ use dflash2::llama::{Batch, Context, ContextParams, FeatureSource, Model, ModelP
 use std::sync::Arc;
 
 fn capture(model: &Arc<Model>, source: FeatureSource, prompt: &[i32]) -> Vec<f32> {
-    let params = ContextParams { n_ctx: 512, n_batch: 64, n_seq_max: 1, n_threads: 2, features: source, kv_unified: true, flash_attn: false, ..ContextParams::default() };
+    let params = ContextParams { n_ctx: 512, n_batch: 64, features: source, ..ContextParams::default() };
     let mut ctx = Context::new(model.clone(), &params, None).unwrap();
     let mut batch = Batch::tokens(64, 1);
     for (i, &t) in prompt.iter().enumerate() {

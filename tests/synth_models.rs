@@ -4,7 +4,7 @@
 mod common;
 
 use dflash2::gguf::synth::{cycle_token, next_target, synth_all};
-use dflash2::llama::{Batch, Context, ContextParams, FeatureSource, Model, ModelParams, Token};
+use dflash2::llama::{Batch, Context, ContextParams, Model, ModelParams, Token};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
@@ -22,7 +22,7 @@ fn load(name: &str) -> Arc<Model> {
 }
 
 fn context(model: &Arc<Model>) -> Context {
-    let params = ContextParams { n_ctx: 256, n_batch: 64, n_seq_max: 1, n_threads: 2, features: FeatureSource::None, kv_unified: true, flash_attn: false, ..ContextParams::default() };
+    let params = ContextParams { n_ctx: 256, n_batch: 64, ..ContextParams::default() };
     Context::new(model.clone(), &params, None).unwrap()
 }
 

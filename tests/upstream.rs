@@ -16,16 +16,7 @@ fn load(p: &Path) -> Arc<Model> {
 /// Our greedy walk over the lattice against llama.cpp's driver, on the same drafter state.
 fn same_drafts(target: Arc<Model>, drafter_model: Arc<Model>, prompts: &[&str]) {
     let layers = drafter_model.target_layer_ids();
-    let params = ContextParams {
-        n_ctx: 1024,
-        n_batch: 512,
-        n_seq_max: 1,
-        n_threads: 2,
-        features: FeatureSource::Native(layers),
-        kv_unified: true,
-        flash_attn: false,
-        ..ContextParams::default()
-    };
+    let params = ContextParams { n_ctx: 1024, features: FeatureSource::Native(layers), ..ContextParams::default() };
     let mut ctx = Context::new(target.clone(), &params, None).unwrap();
     let mut drafter = Drafter::new(drafter_model, &ctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
     let block = drafter.trained_block();
