@@ -709,10 +709,7 @@ impl Engine {
                 Ok(law.distribution(target.logits(p.row0 + row)?, history))
             };
             if run.opts.verifier == Verifier::AcceptAll {
-                let mut principal = Vec::new();
-                while let Some(child) = p.tree.children(principal.last().copied()).next() {
-                    principal.push(child);
-                }
+                let principal = p.tree.principal_path();
                 let bonus = target_law(principal.last().map_or(0, |&n| n + 1))?.sample(rng);
                 (principal, bonus)
             } else {

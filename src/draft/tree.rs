@@ -74,6 +74,15 @@ impl DraftTree {
         path
     }
 
+    /// The path from the anchor that always takes the first child (the principal branch).
+    pub fn principal_path(&self) -> Vec<usize> {
+        let mut path = Vec::new();
+        while let Some(child) = self.children(path.last().copied()).next() {
+            path.push(child);
+        }
+        path
+    }
+
     /// Leaves (nodes without children), in node order.
     pub fn leaves(&self) -> Vec<usize> {
         let mut has_child = vec![false; self.nodes.len()];
@@ -150,6 +159,7 @@ mod tests {
             }
         }
         assert_eq!(d.path_to(1), vec![0, 1]);
+        assert_eq!(d.principal_path(), vec![0, 1]);
         assert_eq!(d.nodes[4].parent, Some(3));
         // Siblings keep their order even when a later one is likelier (a sampled tree).
         let sampled = DraftTree { nodes: vec![node(7, None, 1, 0.2), node(8, None, 1, 0.7)] };

@@ -37,7 +37,7 @@ pub fn verify_tree<E>(
     let mut nodes = Vec::new();
     let mut current: Option<usize> = None;
     'descend: loop {
-        let mut p = Residual::new(&target_law(current.map_or(0, |node| node + 1))?);
+        let mut p = Residual::new(target_law(current.map_or(0, |node| node + 1))?);
         let mut q: Option<Proposal> = None;
         for child in tree.children(current) {
             let q = q.get_or_insert_with(|| Proposal::new(&qs[child]));
@@ -77,8 +77,8 @@ struct Residual {
 }
 
 impl Residual {
-    fn new(p: &Distribution) -> Self {
-        Self { ids: p.ids.clone(), probs: p.probs.iter().map(|&x| f64::from(x)).collect() }
+    fn new(p: Distribution) -> Self {
+        Self { probs: p.probs.iter().map(|&x| f64::from(x)).collect(), ids: p.ids }
     }
 
     fn prob(&self, id: i32) -> f64 {
@@ -240,7 +240,7 @@ mod tests {
     fn level_error(p: &Distribution, q: &[(i32, f32)], siblings: usize, remove: bool) -> f64 {
         let mut law = HashMap::new();
         let q = Proposal::new(q);
-        level_law(&Residual::new(p), &q, &q, siblings, 1.0, remove, &mut law);
+        level_law(&Residual::new(p.clone()), &q, &q, siblings, 1.0, remove, &mut law);
         let support: std::collections::HashSet<i32> = law.keys().chain(&p.ids).copied().collect();
         support.into_iter().map(|id| (law.get(&id).copied().unwrap_or(0.0) - f64::from(p.prob(id))).abs()).fold(0.0, f64::max)
     }
@@ -442,10 +442,7 @@ mod tests {
     fn accepting_the_first_child_always_fails_the_same_check() {
         let tv = two_token_total_variation(
             |tree, _, ps, rng| {
-                let mut nodes = Vec::new();
-                while let Some(child) = tree.children(nodes.last().copied()).next() {
-                    nodes.push(child);
-                }
+                let nodes = tree.principal_path();
                 let row = nodes.last().map_or(0, |&n| n + 1);
                 Accepted { nodes, bonus: ps[row].sample(rng) }
             },
