@@ -9,6 +9,7 @@ use crate::draft::drafter::Drafter;
 use crate::draft::select::{proposal, sample_draft, BestPath, Greedy, Selector, TreeBestFirst};
 use crate::draft::{lattice, DraftTree};
 use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
+pub use crate::target::Repack;
 use crate::sampling::{Distribution, Sampler, SamplingParams};
 use crate::verify::{accept_greedy, verify_tree};
 use std::path::PathBuf;
@@ -55,6 +56,8 @@ pub struct EngineConfig {
     /// Conversations held side by side, decoded together (one cache sequence each).
     pub n_slots: usize,
     pub cache: CacheTypes,
+    /// The target's weight repacking (`crate::target`): probed by default.
+    pub repack: Repack,
 }
 
 /// Element types of the two models' KV caches.
@@ -87,6 +90,20 @@ impl EngineConfig {
             features: FeatureMode::Auto,
             n_slots: 1,
             cache: CacheTypes::default(),
+            repack: Repack::Auto,
+        }
+    }
+
+    /// The target context's numerics as the engine runs it (what the invariance probe must
+    /// test): threads, cache types, and no flash attention (verify batches must reproduce
+    /// single-token decoding bit for bit).
+    pub fn target_params(&self) -> ContextParams {
+        ContextParams {
+            n_threads: self.n_threads,
+            flash_attn: false,
+            cache_k: self.cache.target_k,
+            cache_v: self.cache.target_v,
+            ..ContextParams::default()
         }
     }
 }
@@ -314,8 +331,9 @@ impl Engine {
             Some(d) => drop(crate::gguf::check_pair_files(&cfg.target, d)?),
             None => drop(crate::gguf::read_model_info(&cfg.target)?),
         }
-        let mparams = ModelParams { n_gpu_layers: cfg.n_gpu_layers };
-        let target = Arc::new(Model::load(&cfg.target, &mparams)?);
+        let (target, _) = crate::target::load_target(&cfg.target, cfg.n_gpu_layers, cfg.repack, &cfg.target_params())?;
+        // The drafter's numerics never change the output: it keeps repacking for speed.
+        let mparams = ModelParams { n_gpu_layers: cfg.n_gpu_layers, repack: true };
         let drafter = match &cfg.drafter {
             Some(p) => Some(Arc::new(Model::load(p, &mparams)?)),
             None => None,
@@ -354,13 +372,9 @@ impl Engine {
             n_ctx: cfg.n_ctx * n_slots,
             n_batch,
             n_seq_max,
-            n_threads: cfg.n_threads,
             features,
             kv_unified: unified,
-            // Verify batches must reproduce single-token decoding bit for bit.
-            flash_attn: false,
-            cache_k: cfg.cache.target_k,
-            cache_v: cfg.cache.target_v,
+            ..cfg.target_params()
         };
         let target_ctx = Context::new(target, &params, None)?;
         let drafter = match drafter {

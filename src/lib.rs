@@ -4,6 +4,7 @@ pub mod llama;
 pub mod sampling;
 pub mod text;
 pub mod verify;
+pub mod target;
 pub mod engine;
 pub mod dataset;
 pub mod cli;

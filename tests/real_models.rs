@@ -5,9 +5,8 @@
 mod common;
 
 use dflash2::engine::{CacheTypes, Engine, EngineConfig, GenerateOptions, SelectMode};
-use dflash2::llama::{CacheType, ChatMessage, Model, ModelParams, Token};
+use dflash2::llama::{CacheType, ChatMessage, Model, Token};
 use std::path::Path;
-use std::sync::Arc;
 
 const PROMPTS: [&str; 5] = [
     "Write a Python function that checks whether a number is prime.",
@@ -44,11 +43,12 @@ fn check_target(
     };
     dflash2::gguf::check_pair_files(&target_path, &drafter_path).expect("the drafter pairs with the target");
 
-    let target = Arc::new(Model::load(&target_path, &ModelParams::default()).unwrap());
-    let drafter = Arc::new(Model::load(&drafter_path, &ModelParams::default()).unwrap());
-    let mut cfg = EngineConfig::new(target_path.clone(), None);
+    let mut cfg = EngineConfig::new(target_path.clone(), Some(drafter_path));
     cfg.n_ctx = 1024;
     cfg.cache = cache;
+    // As every command loads them: the target probed for batch invariance on this machine.
+    let (target, drafter) = Engine::load_models(&cfg).unwrap();
+    let drafter = drafter.unwrap();
     let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
     let mut spec = Engine::from_models(target.clone(), Some(drafter), &cfg).unwrap();
 

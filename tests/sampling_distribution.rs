@@ -23,9 +23,10 @@ struct Fixture {
 /// SmolLM2 with the shipped, trained drafter, whose candidates often hold the target's
 /// token: the only pairing here where token trees keep side branches at T > 0.
 fn smollm2_fixture(text: &str) -> Fixture {
-    let target = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
     let drafter_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
-    let drafter = Arc::new(Model::load(&drafter_path, &ModelParams::default()).unwrap());
+    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter_path));
+    let (target, drafter) = Engine::load_models(&cfg).unwrap();
+    let drafter = drafter.unwrap();
     let msgs = [ChatMessage { role: "user".into(), content: text.into() }];
     let rendered = target.apply_chat_template(&msgs, true).unwrap();
     let prompt = target.tokenize(&rendered, true, true).unwrap();

@@ -260,6 +260,17 @@ fn the_openai_client_gets_chat_completions_and_streams() {
     assert_eq!(r["stopped"]["text"].as_str().unwrap(), &full[..full.find(stop).unwrap()]);
     assert_eq!(r["stopped"]["finish"], "stop");
     assert_eq!(r["unknown_model"], json!({ "status": 404, "code": "model_not_found" }));
+
+    // Fractional sampling values (temperature 0.7, top_p 0.95, min_p 1e-3) are taken, not refused,
+    // and they reach the sampler: one seed reproduces its text, other seeds change it.
+    for route in ["chat", "completion"] {
+        let texts: Vec<&str> = r["sampled"][route].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(texts[0], texts[1], "{route}: the same seed gave two texts");
+        assert_eq!(r["sampled"][format!("{route}_stream")], texts[0], "{route}: streamed text differs");
+        assert!(texts[1..].windows(2).any(|w| w[0] != w[1]), "{route}: four seeds gave one text at T = 0.7: {texts:?}");
+        assert_ne!(texts[0], r[route]["text"], "{route}: the T = 0.7 text equals the greedy one");
+    }
+    assert_eq!(r["temperature_too_high"], json!({ "status": 400, "param": "temperature" }));
     server.wait_idle();
 }
 
@@ -359,6 +370,17 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     let by_text = server.post_ok("/completion", json!({ "prompt": "The quick brown fox", "n_predict": 8 }));
     assert_eq!(by_ids["content"], by_text["content"]);
 
+    // llama-server's sampling fields as its clients send them, fractional: one seed reproduces
+    // its tokens, other seeds change them.
+    let sampled = |seed: u64| {
+        let body = json!({ "prompt": "Once upon a time", "n_predict": 16, "return_tokens": true, "seed": seed,
+            "temperature": 0.8, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1 });
+        server.post_ok("/completion", body)["tokens"].clone()
+    };
+    let runs: Vec<Value> = [5, 5, 6, 7].into_iter().map(sampled).collect();
+    assert_eq!(runs[0], runs[1], "the same seed gave two answers");
+    assert!(runs[1..].windows(2).any(|w| w[0] != w[1]), "three seeds gave one answer at T = 0.8: {runs:?}");
+
     let (code, props) = server.get("/props");
     assert_eq!(code, 200);
     let props: Value = serde_json::from_str(&props).unwrap();
@@ -383,9 +405,10 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     ] {
         assert!(metrics.contains(&format!("# TYPE dflash2_{name} ")), "no {name} in {metrics}");
     }
-    assert_eq!(server.metric("requests_finished_total"), 5.0);
+    assert_eq!(server.metric("requests_finished_total"), 9.0);
     let n_stopped = stopped["tokens_predicted"].as_f64().unwrap();
-    assert_eq!(server.metric("tokens_predicted_total"), 24.0 + 24.0 + n_stopped + 8.0 + 8.0);
+    let n_sampled: f64 = runs.iter().map(|t| t.as_array().unwrap().len() as f64).sum();
+    assert_eq!(server.metric("tokens_predicted_total"), 24.0 + 24.0 + n_stopped + 8.0 + 8.0 + n_sampled);
 }
 
 #[test]
@@ -418,15 +441,18 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         body.to_string()
     };
     let long_prompt = "word ".repeat(600);
-    let cases: Vec<(&str, &str, String, u16, &str)> = vec![
-        ("malformed JSON", "/v1/chat/completions", "{\"messages\": [".into(), 400, "invalid_request"),
-        ("not an object", "/v1/chat/completions", "[1, 2]".into(), 400, "invalid_request"),
+    // (what, route, body, status, error code, the field the error must name)
+    let cases: Vec<(&str, &str, String, u16, &str, Option<&str>)> = vec![
+        ("malformed JSON", "/v1/chat/completions", "{\"messages\": [".into(), 400, "invalid_request", None),
+        ("not an object", "/v1/chat/completions", "[1, 2]".into(), 400, "invalid_request", None),
+        ("trailing garbage", "/v1/completions", r#"{"prompt": "hi"} x"#.into(), 400, "invalid_request", None),
         (
             "messages of the wrong type",
             "/v1/chat/completions",
             r#"{"messages": "hello"}"#.into(),
             400,
             "invalid_request",
+            Some("messages"),
         ),
         (
             "temperature of the wrong type",
@@ -434,24 +460,35 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             user(json!({ "temperature": "hot" })),
             400,
             "invalid_request",
+            Some("temperature"),
         ),
-        ("no messages field", "/v1/chat/completions", r#"{"model": "target.gguf"}"#.into(), 400, "invalid_request"),
-        ("empty messages", "/v1/chat/completions", r#"{"messages": []}"#.into(), 400, "invalid_request"),
-        ("unknown model", "/v1/chat/completions", user(json!({ "model": "gpt-4" })), 404, "model_not_found"),
+        (
+            "top_p of the wrong type",
+            "/completion",
+            r#"{"prompt": "hi", "top_p": [0.5]}"#.into(),
+            400,
+            "invalid_request",
+            Some("top_p"),
+        ),
+        ("no messages field", "/v1/chat/completions", r#"{"model": "target.gguf"}"#.into(), 400, "invalid_request", None),
+        ("empty messages", "/v1/chat/completions", r#"{"messages": []}"#.into(), 400, "invalid_request", Some("messages")),
+        ("unknown model", "/v1/chat/completions", user(json!({ "model": "gpt-4" })), 404, "model_not_found", None),
         (
             "unknown model (completions)",
             "/v1/completions",
             r#"{"model": "x", "prompt": "hi"}"#.into(),
             404,
             "model_not_found",
+            None,
         ),
-        ("max_tokens 0", "/v1/chat/completions", user(json!({ "max_tokens": 0 })), 400, "invalid_request"),
+        ("max_tokens 0", "/v1/chat/completions", user(json!({ "max_tokens": 0 })), 400, "invalid_request", Some("max_tokens")),
         (
             "max_tokens negative",
             "/v1/completions",
             r#"{"prompt": "hi", "max_tokens": -5}"#.into(),
             400,
             "invalid_request",
+            Some("max_tokens"),
         ),
         (
             "max_tokens over the context",
@@ -459,40 +496,69 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             user(json!({ "max_tokens": 100000 })),
             400,
             "invalid_request",
+            Some("max_tokens"),
         ),
-        ("n_predict 0", "/completion", r#"{"prompt": "hi", "n_predict": 0}"#.into(), 400, "invalid_request"),
+        (
+            "max_tokens fractional",
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 2.5}"#.into(),
+            400,
+            "invalid_request",
+            Some("max_tokens"),
+        ),
+        ("n_predict 0", "/completion", r#"{"prompt": "hi", "n_predict": 0}"#.into(), 400, "invalid_request", Some("n_predict")),
         (
             "temperature out of range",
             "/v1/chat/completions",
             user(json!({ "temperature": 7.5 })),
             400,
             "invalid_request",
+            Some("temperature"),
         ),
-        ("top_p out of range", "/v1/completions", r#"{"prompt": "hi", "top_p": 1.5}"#.into(), 400, "invalid_request"),
-        ("several choices", "/v1/chat/completions", user(json!({ "n": 3 })), 400, "invalid_request"),
+        (
+            "top_p out of range",
+            "/v1/completions",
+            r#"{"prompt": "hi", "top_p": 1.5}"#.into(),
+            400,
+            "invalid_request",
+            Some("top_p"),
+        ),
+        ("min_p negative", "/completion", r#"{"prompt": "hi", "min_p": -0.05}"#.into(), 400, "invalid_request", Some("min_p")),
+        (
+            "repeat_penalty out of range",
+            "/v1/completions",
+            r#"{"prompt": "hi", "repeat_penalty": 1e3}"#.into(),
+            400,
+            "invalid_request",
+            Some("repeat_penalty"),
+        ),
+        ("several choices", "/v1/chat/completions", user(json!({ "n": 3 })), 400, "invalid_request", Some("n")),
         (
             "image content",
             "/v1/chat/completions",
             user(json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] })),
             400,
             "invalid_request",
+            Some("messages"),
         ),
-        ("empty token prompt", "/v1/completions", r#"{"prompt": []}"#.into(), 400, "invalid_request"),
-        ("several prompts", "/v1/completions", r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request"),
+        ("empty token prompt", "/v1/completions", r#"{"prompt": []}"#.into(), 400, "invalid_request", Some("prompt")),
+        ("several prompts", "/v1/completions", r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request", Some("prompt")),
         (
             "token id outside the vocabulary",
             "/completion",
             r#"{"prompt": [1, 2, 999999]}"#.into(),
             400,
             "invalid_request",
+            Some("prompt"),
         ),
-        ("negative token id", "/detokenize", r#"{"tokens": [-3]}"#.into(), 400, "invalid_request"),
+        ("negative token id", "/detokenize", r#"{"tokens": [-3]}"#.into(), 400, "invalid_request", Some("tokens")),
         (
             "prompt over the context",
             "/v1/completions",
             json!({ "prompt": long_prompt }).to_string(),
             400,
             "context_length_exceeded",
+            None,
         ),
         (
             "chat over the context",
@@ -500,14 +566,16 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             user(json!({ "messages": [{ "role": "user", "content": long_prompt }] })),
             400,
             "context_length_exceeded",
+            None,
         ),
-        ("tokenize without content", "/tokenize", "{}".into(), 400, "invalid_request"),
-        ("unknown endpoint", "/v1/embeddings", "{}".into(), 404, "not_found"),
+        ("tokenize without content", "/tokenize", "{}".into(), 400, "invalid_request", None),
+        ("unknown endpoint", "/v1/embeddings", "{}".into(), 404, "not_found", None),
     ];
-    for (what, path, body, status, code) in &cases {
+    for (what, path, body, status, code, param) in &cases {
         let (got, v) = server.post(path, body);
         assert_eq!(got, *status, "{what}: {v}");
         assert_eq!(v["error"]["code"], *code, "{what}: {v}");
+        assert_eq!(v["error"]["param"].as_str(), *param, "{what}: the error names the wrong field: {v}");
         assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {v}");
         assert!(v["error"]["type"].is_string(), "{what}: {v}");
         server.assert_healthy(what);

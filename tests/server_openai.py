@@ -95,6 +95,25 @@ def basic(base, model):
     out["stopped_stream"] = complete(
         c, model, "The quick brown fox", True, max_tokens=32, temperature=0, stop=[stop]
     )
+    # What chat clients send: fractional sampling values. The same seed must give the same text,
+    # streamed or not; other seeds must give other texts (the values reached the sampler).
+    sampled = {"max_tokens": 24, "temperature": 0.7, "top_p": 0.95}
+    out["sampled"] = {
+        "chat": [chat(c, model, messages, False, seed=s, **sampled)["text"] for s in (11, 11, 12, 13, 14)],
+        "chat_stream": chat(c, model, messages, True, seed=11, **sampled)["text"],
+        "completion": [
+            complete(c, model, "The quick brown fox", False, seed=s, extra_body={"min_p": 1e-3}, **sampled)["text"]
+            for s in (21, 21, 22, 23, 24)
+        ],
+        "completion_stream": complete(
+            c, model, "The quick brown fox", True, seed=21, extra_body={"min_p": 1e-3}, **sampled
+        )["text"],
+    }
+    try:
+        c.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=2.5)
+        out["temperature_too_high"] = None
+    except openai.BadRequestError as e:
+        out["temperature_too_high"] = {"status": e.status_code, "param": e.param}
     try:
         c.chat.completions.create(model="no-such-model", messages=messages, max_tokens=4)
         out["unknown_model"] = None

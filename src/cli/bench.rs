@@ -4,9 +4,8 @@
 //! slow moment of the machine hits all modes alike; speedups are ratios of runs measured
 //! next to each other. At temperature 0 every mode's tokens are checked against `none`.
 use crate::engine::{Engine, GenerateOptions, Generation, SelectMode};
-use crate::llama::{ChatMessage, Model, ModelParams, Token};
+use crate::llama::{ChatMessage, Model, Token};
 use std::path::PathBuf;
-use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -68,12 +67,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mut modes = vec![SelectMode::None];
     modes.extend(args.select.iter().copied().filter(|&m| m != SelectMode::None));
 
-    let params = ModelParams { n_gpu_layers: args.models.gpu_layers };
     let spinner = super::loading_spinner("models");
-    let target = Arc::new(Model::load(&args.models.model, &params)?);
-    let drafter = Arc::new(Model::load(&drafter_path, &params)?);
+    let cfg = args.models.config(Some(drafter_path));
+    // Loaded as every other command loads them (the target probed for batch invariance).
+    let (target, drafter) = Engine::load_models(&cfg)?;
+    let drafter = drafter.expect("the config names a drafter");
     spinner.finish_and_clear();
-    let cfg = args.models.config(None);
     // `none` gets an engine without a drafter: the true plain baseline.
     let mut plain = Engine::from_models(target.clone(), None, &cfg)?;
     let mut spec = Engine::from_models(target.clone(), Some(drafter.clone()), &cfg)?;
@@ -82,6 +81,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
     let prompts = read_prompts(args, &target)?;
     let mut results = vec![ModeResult::default(); modes.len()];
+    let mut progress = super::Progress::new((prompts.len() * args.runs) as u64, "bench");
     for (pi, prompt) in prompts.iter().enumerate() {
         for run in 0..args.runs {
             // At T > 0 each run samples with its own seed: more trajectories behind tau.
@@ -116,8 +116,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 }
                 record(r, &g, tps);
             }
+            let tau = |r: &ModeResult| r.cycle_tokens as f64 / r.cycles.max(1) as f64;
+            let taus: Vec<String> = modes.iter().zip(&results).map(|(m, r)| format!("{m:?} {:.2}", tau(r))).collect();
+            progress.inc(&format!("(tau so far: {})", taus.join(", ")));
         }
     }
+    progress.finish();
     report(args, &modes, &results, prompts.len(), block, adaptive)
 }
 

@@ -1,5 +1,4 @@
 //! `dflash2 dataset`: a drafter's training data read off the target (see [`crate::dataset`]).
-use std::io::BufRead;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -45,21 +44,19 @@ pub fn run(args: &DatasetArgs) -> Result<()> {
     let layers = args.layers.clone().unwrap_or_else(|| default_layers(target.n_layer(), args.n_features));
     let mut ex = Extractor::new(target, mask, layers.clone(), args.max_len, args.threads)?;
     let mut data = ex.dataset();
-    let file = std::fs::File::open(&args.conversations)
-        .with_context(|| format!("opening {}", args.conversations.display()))?;
-    let start = std::time::Instant::now();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line?;
+    let text = std::fs::read_to_string(&args.conversations)
+        .with_context(|| format!("reading {}", args.conversations.display()))?;
+    let mut progress = super::Progress::new(text.lines().filter(|l| !l.trim().is_empty()).count() as u64, "dataset");
+    for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
         let c: Conversation = serde_json::from_str(&line)
             .with_context(|| format!("{}:{}: neither {{\"prompt\", \"answer\"}} nor {{\"text\"}}", args.conversations.display(), i + 1))?;
         ex.add(&c, &mut data)?;
-        if (i + 1) % 50 == 0 {
-            eprintln!("{} conversations, {} tokens, {:.0} s", i + 1, data.n_tokens(), start.elapsed().as_secs_f64());
-        }
+        progress.inc(&format!("({} tokens)", data.n_tokens()));
     }
+    progress.finish();
     let name = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     data.write(&args.out, &name)?;
     eprintln!(

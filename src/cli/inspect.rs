@@ -1,6 +1,7 @@
 //! `dflash2 inspect FILE.gguf [--target T.gguf] [--json]`: a model's metadata and, given a
 //! target, whether FILE can draft for it. A failed pairing is an error (non-zero exit) whose
-//! message names the field and both values.
+//! message names the field and both values. `--check` loads a target and probes whether its
+//! verify batches reproduce single-token steps bit for bit, with weight repacking on and off.
 
 use std::path::PathBuf;
 
@@ -22,11 +23,30 @@ pub struct InspectArgs {
     /// Also list every metadata key and tensor
     #[arg(long)]
     pub all: bool,
+    /// Load FILE as a target and probe, with weight repacking on and off, whether batches of
+    /// each size round exactly like single-token steps (what lossless verification rests on)
+    #[arg(long)]
+    pub check: bool,
+    /// Batch sizes the probe checks (`--check`)
+    #[arg(long, value_delimiter = ',', default_values_t = [2, 4, 5, 8, 16, 17, 33])]
+    pub batches: Vec<usize>,
+    /// CPU threads of the probe (`--check`)
+    #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
+    pub threads: i32,
+    /// KV cache type of the target's K during the probe (`--check`)
+    #[arg(long = "cache-type-k", default_value_t = crate::llama::CacheType::F16)]
+    pub cache_type_k: crate::llama::CacheType,
+    /// Layers to offload to a GPU during the probe (GPU builds only)
+    #[arg(long = "gpu-layers", default_value_t = 999)]
+    pub gpu_layers: i32,
 }
 
 pub fn run(args: &InspectArgs) -> Result<()> {
     let gguf = read_gguf(&args.file)?;
     let model = ModelInfo::from_gguf(&gguf)?;
+    if args.check {
+        return check(args, &model);
+    }
     let target = args.target.as_deref().map(read_model_info).transpose()?;
     let verdict = target.as_ref().map(|t| check_pair(t, &model));
 
@@ -148,4 +168,47 @@ fn short(v: &MetaValue) -> String {
         MetaValue::F64(x) => format!("{x}f64"),
         MetaValue::Bool(x) => x.to_string(),
     }
+}
+
+/// `--check`: the batch-invariance probe with repacking on and off, and the choice the engine
+/// makes from it.
+fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
+    use crate::llama::{ContextParams, Model, ModelParams};
+    use std::sync::Arc;
+    if info.dflash.is_some() {
+        anyhow::bail!("{} is a DFlash drafter: --check probes a target", args.file.display());
+    }
+    if args.batches.iter().any(|&b| b < 2 || b > 512) {
+        anyhow::bail!("--batches: each size must be between 2 and 512");
+    }
+    let params =
+        ContextParams { n_threads: args.threads, cache_k: args.cache_type_k, flash_attn: false, ..ContextParams::default() };
+    let mut probes = Vec::new();
+    for repack in [true, false] {
+        let model = Arc::new(Model::load(&args.file, &ModelParams { n_gpu_layers: args.gpu_layers, repack })?);
+        probes.push(crate::target::probe(&model, &params, &args.batches, false)?);
+    }
+    let choice = match (probes[0].invariant(), probes[1].invariant()) {
+        (true, _) => "repack on (bit-identical)",
+        (false, true) => "repack off (repacked batches round differently)",
+        (false, false) => "none is bit-identical: speculative output may differ from plain decoding",
+    };
+    if args.json {
+        let out = serde_json::json!({ "file": args.file, "threads": args.threads, "cache_type_k": args.cache_type_k.name(),
+            "system_info": crate::llama::system_info(), "probes": probes, "choice": choice });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("{} ({}), {} threads, K cache {}", args.file.display(), info.architecture, args.threads, args.cache_type_k.name());
+    println!("{:<8} {:>6} {:>10} {:>14} {:>13}", "repack", "batch", "identical", "max |diff|", "argmax flips");
+    for p in &probes {
+        for c in &p.checks {
+            let on = if p.repack { "on" } else { "off" };
+            let same = if c.identical { "yes" } else { "NO" };
+            println!("{on:<8} {:>6} {same:>10} {:>14.6} {:>13}", c.batch, c.max_abs_diff, c.argmax_flips);
+        }
+    }
+    println!("probe time: {:.0} ms (repack on), {:.0} ms (off)", probes[0].ms, probes[1].ms);
+    println!("choice: {choice}");
+    Ok(())
 }

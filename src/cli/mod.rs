@@ -62,6 +62,58 @@ pub fn loading_spinner(what: &str) -> indicatif::ProgressBar {
     pb
 }
 
+/// Progress of long work (bench, dataset, convert): a bar on a terminal; elsewhere (a log, CI) a
+/// one-line report on stderr at most every `LINE_EVERY`, and at the end.
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    what: String,
+    len: u64,
+    done: u64,
+    started: std::time::Instant,
+    last_line: std::time::Instant,
+}
+
+impl Progress {
+    const LINE_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    pub fn new(len: u64, what: &str) -> Self {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::with_draw_target(Some(len), indicatif::ProgressDrawTarget::stderr());
+            let style = indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed} (eta {eta}) {msg}")
+                .expect("a valid template");
+            bar.set_style(style.progress_chars("=> "));
+            bar.set_prefix(what.to_string());
+            bar
+        });
+        let now = std::time::Instant::now();
+        Self { bar, what: what.to_string(), len, done: 0, started: now, last_line: now }
+    }
+
+    /// One more item done; `msg` says what the latest one gave.
+    pub fn inc(&mut self, msg: &str) {
+        self.done += 1;
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(msg.to_string());
+                bar.inc(1);
+            }
+            None if self.done == self.len || self.last_line.elapsed() >= Self::LINE_EVERY => {
+                self.last_line = std::time::Instant::now();
+                let s = self.started.elapsed().as_secs_f64();
+                eprintln!("{}: {}/{} after {s:.0} s {msg}", self.what, self.done, self.len);
+            }
+            None => {}
+        }
+    }
+
+    pub fn finish(self) {
+        if let Some(bar) = self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
 /// Sampling flags as llama.cpp users know them (one definition for every subcommand).
 #[derive(clap::Args, Debug, Clone)]
 pub struct SamplingArgs {
@@ -163,6 +215,14 @@ pub struct ModelArgs {
     /// KV cache type of the drafter's V (`-ctvd`).
     #[arg(long = "cache-type-v-draft", default_value_t = CacheType::Q8_0)]
     pub cache_type_v_draft: CacheType,
+    /// Repack the target's weights even where a verify batch then rounds differently from a
+    /// single step (default: probe at load and repack only where batches stay bit-identical).
+    /// Output may then differ from plain decoding.
+    #[arg(long, conflicts_with = "no_repack")]
+    pub repack: bool,
+    /// Never repack the target's weights (llama.cpp's `--no-repack`).
+    #[arg(long)]
+    pub no_repack: bool,
 }
 
 /// llama.cpp spells some long flags with one dash (`-ctk q8_0`); clap cannot, so they are
@@ -183,6 +243,15 @@ pub fn llama_style_args(args: impl IntoIterator<Item = std::ffi::OsString>) -> V
 }
 
 impl ModelArgs {
+    pub fn repack_mode(&self) -> crate::target::Repack {
+        use crate::target::Repack;
+        match (self.repack, self.no_repack) {
+            (true, _) => Repack::On,
+            (_, true) => Repack::Off,
+            _ => Repack::Auto,
+        }
+    }
+
     /// The engine configuration these flags describe, with `drafter` (or none).
     pub fn config(&self, drafter: Option<std::path::PathBuf>) -> crate::engine::EngineConfig {
         let mut cfg = crate::engine::EngineConfig::new(self.model.clone(), drafter);
@@ -190,6 +259,7 @@ impl ModelArgs {
         cfg.n_threads = self.threads;
         cfg.n_gpu_layers = self.gpu_layers;
         cfg.features = self.features;
+        cfg.repack = self.repack_mode();
         cfg.cache = crate::engine::CacheTypes {
             target_k: self.cache_type_k,
             target_v: self.cache_type_v,

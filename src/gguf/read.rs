@@ -1,23 +1,23 @@
 //! Reading GGUF metadata ([`read_gguf`], [`read_model_info`]) and checking that a drafter fits a
 //! target ([`check_pair`]).
 //!
-//! gguf-rs decodes the key/value section, but on hostile input it can panic (tensor type 40,
-//! which is a real type, NVFP4, in the bundled llama.cpp, hits an `unreachable!`), allocates
-//! strings of up to 1 GiB before reading them, and misjudges the byte size of I8..I64/BF16
-//! tensors. So a bounds-checked scan of our own walks the header first: every length is checked
-//! against the bytes left in the file, tensor types and extents are checked with ggml's own size
-//! table, and only then is gguf-rs handed the key/value bytes (with the tensor count set to 0,
-//! since the scan already has the tensor infos). No `catch_unwind` is needed.
+//! One bounds-checked pass decodes the header: every length is checked against the bytes left in
+//! the file before anything is allocated or read, tensor types and extents are checked with ggml's
+//! own size table, and no input can panic (no `catch_unwind` is needed). This is written here and
+//! not taken from gguf-rs: that crate panics on real tensor types it does not know (NVFP4),
+//! allocates strings before checking the file holds them, and turns on serde_json's
+//! `arbitrary_precision` for the whole build, which broke every fractional number in the server's
+//! requests.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::fs::File;
-use std::io::{self, BufReader, Read, Seek, SeekFrom};
+use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
-use serde_json::Value;
 
 use super::{ggml_nbytes, ggml_type_info, meta_scalar_size, MetaValue, TYPE_ARRAY, TYPE_STRING, TYPE_U32};
+use super::{TYPE_BOOL, TYPE_F32, TYPE_F64, TYPE_I16, TYPE_I32, TYPE_I64, TYPE_I8, TYPE_U16, TYPE_U64, TYPE_U8};
 
 /// More array elements than any real vocabulary needs (Gemma 3 has 262,144 tokens, Llama 3
 /// ~280k merges). Caps the memory a crafted file can make the decoder spend (~40 B an element).
@@ -165,12 +165,10 @@ pub fn read_gguf(path: &Path) -> Result<Gguf, GgufError> {
     }
     let mut scan = Scanner { r: BufReader::new(file), pos: 0, len: meta.len() };
     let layout = scan.layout().map_err(|p| p.into_error(path))?;
-
-    let metadata = decode_kv(scan.r.into_inner(), &layout).map_err(|p| p.into_error(path))?;
     Ok(Gguf {
         path: path.to_path_buf(),
         version: layout.version,
-        metadata,
+        metadata: layout.kv,
         tensors: layout.tensors,
         file_size: meta.len(),
     })
@@ -466,17 +464,9 @@ impl From<io::Error> for Problem {
     }
 }
 
-struct KvEntry {
-    key: String,
-    type_id: u32,
-    elem_type: Option<u32>,
-}
-
 struct Layout {
     version: u32,
-    kv: Vec<KvEntry>,
-    /// The key/value section: [24, kv_end).
-    kv_end: u64,
+    kv: Vec<(String, MetaValue)>,
     tensors: Vec<TensorInfo>,
 }
 
@@ -517,14 +507,6 @@ impl Scanner {
         self.bytes::<8>(what).map(u64::from_le_bytes)
     }
 
-    fn skip(&mut self, n: u64, what: &dyn Fn() -> String) -> Result<(), Problem> {
-        self.need(n, what)?;
-        // need() bounded n by the file length, which fits an i64
-        self.r.seek_relative(n as i64)?;
-        self.pos += n;
-        Ok(())
-    }
-
     fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, Problem> {
         let n = self.u64(what)?;
         self.text(n, what)
@@ -536,6 +518,25 @@ impl Scanner {
         self.r.read_exact(&mut buf)?;
         self.pos += n;
         Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    /// One metadata value of a scalar or string type (the caller checked the type id).
+    fn scalar(&mut self, type_id: u32, what: &dyn Fn() -> String) -> Result<MetaValue, Problem> {
+        Ok(match type_id {
+            TYPE_U8 => MetaValue::U8(self.bytes::<1>(what)?[0]),
+            TYPE_I8 => MetaValue::I8(self.bytes::<1>(what).map(i8::from_le_bytes)?),
+            TYPE_BOOL => MetaValue::Bool(self.bytes::<1>(what)?[0] != 0),
+            TYPE_U16 => MetaValue::U16(self.bytes::<2>(what).map(u16::from_le_bytes)?),
+            TYPE_I16 => MetaValue::I16(self.bytes::<2>(what).map(i16::from_le_bytes)?),
+            TYPE_U32 => MetaValue::U32(self.u32(what)?),
+            TYPE_I32 => MetaValue::I32(self.bytes::<4>(what).map(i32::from_le_bytes)?),
+            TYPE_F32 => MetaValue::F32(self.bytes::<4>(what).map(f32::from_le_bytes)?),
+            TYPE_U64 => MetaValue::U64(self.u64(what)?),
+            TYPE_I64 => MetaValue::I64(self.bytes::<8>(what).map(i64::from_le_bytes)?),
+            TYPE_F64 => MetaValue::F64(self.bytes::<8>(what).map(f64::from_le_bytes)?),
+            TYPE_STRING => MetaValue::Str(self.string(what)?),
+            _ => return Err(Problem::Malformed(format!("{}: invalid type {type_id}", what()))),
+        })
     }
 
     fn layout(&mut self) -> Result<Layout, Problem> {
@@ -572,47 +573,40 @@ impl Scanner {
             }
             let what = |s: &str| format!("the {s} of key {key}");
             let type_id = self.u32(&|| what("type"))?;
-            let elem_type = if type_id == TYPE_ARRAY {
+            let value = if type_id == TYPE_ARRAY {
                 let elem = self.u32(&|| what("array element type"))?;
                 let n = self.u64(&|| what("array length"))?;
                 elements = elements.saturating_add(n);
                 if elements > MAX_ARRAY_ELEMENTS {
                     return Err(Problem::Malformed(format!("key {key}: arrays hold more than {MAX_ARRAY_ELEMENTS} elements")));
                 }
-                match (elem, meta_scalar_size(elem)) {
-                    (TYPE_STRING, _) => {
-                        for _ in 0..n {
-                            let len = self.u64(&|| what("array"))?;
-                            self.skip(len, &|| what("array"))?;
-                        }
-                    }
-                    (_, Some(size)) => self.skip(n.saturating_mul(size), &|| what("array"))?,
-                    _ => return Err(Problem::Malformed(format!("key {key}: invalid array element type {elem}"))),
+                if elem != TYPE_STRING && meta_scalar_size(elem).is_none() {
+                    return Err(Problem::Malformed(format!("key {key}: invalid array element type {elem}")));
                 }
-                Some(elem)
+                // Each element is at least one byte (a string at least its 8-byte length), so
+                // this bounds the allocation by the file before anything is read.
+                self.need(n.saturating_mul(meta_scalar_size(elem).unwrap_or(8)), &|| what("array"))?;
+                let mut items = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    items.push(self.scalar(elem, &|| what("array"))?);
+                }
+                MetaValue::Array(elem, items)
+            } else if type_id == TYPE_STRING || meta_scalar_size(type_id).is_some() {
+                self.scalar(type_id, &|| what("value"))?
             } else {
-                match (type_id, meta_scalar_size(type_id)) {
-                    (TYPE_STRING, _) => {
-                        let len = self.u64(&|| what("value"))?;
-                        self.skip(len, &|| what("value"))?;
-                    }
-                    (TYPE_U32, _) if key == "general.alignment" => {
-                        alignment = u64::from(self.u32(&|| what("value"))?);
-                        if !alignment.is_power_of_two() {
-                            return Err(Problem::Malformed(format!("general.alignment {alignment} is not a power of 2")));
-                        }
-                    }
-                    (_, Some(size)) => self.skip(size, &|| what("value"))?,
-                    _ => return Err(Problem::Malformed(format!("key {key}: invalid value type {type_id}"))),
-                }
-                None
+                return Err(Problem::Malformed(format!("key {key}: invalid value type {type_id}")));
             };
-            if key == "general.alignment" && type_id != TYPE_U32 {
-                return Err(Problem::Malformed("general.alignment must be a u32".into()));
+            if key == "general.alignment" {
+                let MetaValue::U32(a) = value else {
+                    return Err(Problem::Malformed("general.alignment must be a u32".into()));
+                };
+                if !a.is_power_of_two() {
+                    return Err(Problem::Malformed(format!("general.alignment {a} is not a power of 2")));
+                }
+                alignment = u64::from(a);
             }
-            kv.push(KvEntry { key, type_id, elem_type });
+            kv.push((key, value));
         }
-        let kv_end = self.pos;
 
         let mut tensors = Vec::new();
         let mut names = HashSet::new();
@@ -659,62 +653,8 @@ impl Scanner {
                 }
             }
         }
-        Ok(Layout { version, kv, kv_end, tensors })
+        Ok(Layout { version, kv, tensors })
     }
-}
-
-/// Decodes the key/value section with gguf-rs, then types each value as the scan saw it.
-fn decode_kv(mut file: File, layout: &Layout) -> Result<Vec<(String, MetaValue)>, Problem> {
-    const KV_START: u64 = 24;
-    file.seek(SeekFrom::Start(KV_START))?;
-    let mut head = Vec::with_capacity(20);
-    head.extend_from_slice(&(layout.version as i32).to_le_bytes());
-    head.extend_from_slice(&0u64.to_le_bytes()); // tensor infos: the scan has them
-    head.extend_from_slice(&(layout.kv.len() as u64).to_le_bytes());
-    let section = BufReader::new(file).take(layout.kv_end - KV_START);
-    let reader = io::Cursor::new(head).chain(section);
-    let mut container = gguf_rs::GGUFContainer::new(gguf_rs::ByteOrder::LE, Box::new(reader), u64::MAX);
-    let model = container.decode().map_err(|e| Problem::Malformed(format!("metadata: {e}")))?;
-    let values: &BTreeMap<String, Value> = model.metadata();
-
-    layout
-        .kv
-        .iter()
-        .map(|e| {
-            let v = values.get(&e.key).unwrap_or(&Value::Null);
-            let typed = match (e.elem_type, v) {
-                (Some(elem), Value::Array(items)) => {
-                    items.iter().map(|x| typed_value(elem, x)).collect::<Option<Vec<_>>>().map(|items| MetaValue::Array(elem, items))
-                }
-                (Some(_), _) => None,
-                (None, v) => typed_value(e.type_id, v),
-            };
-            typed
-                .map(|t| (e.key.clone(), t))
-                .ok_or_else(|| Problem::Malformed(format!("key {}: value does not match its type {}", e.key, e.type_id)))
-        })
-        .collect()
-}
-
-/// One JSON value from gguf-rs as the GGUF type it was read as. JSON has no NaN or infinity:
-/// gguf-rs turns those floats into null, read back as NaN.
-fn typed_value(type_id: u32, v: &Value) -> Option<MetaValue> {
-    let float = |v: &Value| if v.is_null() { Some(f64::NAN) } else { v.as_f64() };
-    Some(match type_id {
-        0 => MetaValue::U8(u8::try_from(v.as_u64()?).ok()?),
-        1 => MetaValue::I8(i8::try_from(v.as_i64()?).ok()?),
-        2 => MetaValue::U16(u16::try_from(v.as_u64()?).ok()?),
-        3 => MetaValue::I16(i16::try_from(v.as_i64()?).ok()?),
-        4 => MetaValue::U32(u32::try_from(v.as_u64()?).ok()?),
-        5 => MetaValue::I32(i32::try_from(v.as_i64()?).ok()?),
-        6 => MetaValue::F32(float(v)? as f32),
-        7 => MetaValue::Bool(v.as_bool()?),
-        8 => MetaValue::Str(v.as_str()?.to_string()),
-        10 => MetaValue::U64(v.as_u64()?),
-        11 => MetaValue::I64(v.as_i64()?),
-        12 => MetaValue::F64(float(v)?),
-        _ => return None,
-    })
 }
 
 #[cfg(test)]

@@ -326,6 +326,9 @@ impl Context {
         if code != 0 {
             return Err(LlamaError::Decode { code, what });
         }
+        // A GPU backend returns before the work is done: wait, so that the clock a caller
+        // stops after this call times the decode itself (a no-op on the CPU).
+        unsafe { sys::llama_synchronize(self.ptr()) };
         self.last_batch_len = batch.len();
         if let Some(cap) = &self.h.capture {
             let err = unsafe { shim::dflash2_capture_error(cap.0.as_ptr()) };

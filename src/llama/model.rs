@@ -5,15 +5,19 @@ use std::ffi::{CStr, CString};
 use std::path::Path;
 use std::ptr::NonNull;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelParams {
     /// Layers to offload to the GPU (0 = CPU only; ignored by CPU builds).
     pub n_gpu_layers: i32,
+    /// llama.cpp's weight repacking (`use_extra_bufts`): interleaved layouts with their own
+    /// batch kernels, which on some CPUs and types round a batch differently from one row
+    /// (`crate::target` decides it for a target).
+    pub repack: bool,
 }
 
 impl Default for ModelParams {
     fn default() -> Self {
-        Self { n_gpu_layers: 999 }
+        Self { n_gpu_layers: 999, repack: true }
     }
 }
 
@@ -28,6 +32,7 @@ pub struct Model {
     ptr: NonNull<sys::llama_model>,
     vocab: NonNull<sys::llama_vocab>,
     path: String,
+    repacked: bool,
 }
 
 // llama.cpp models are immutable after loading and safe to share between threads.
@@ -48,12 +53,13 @@ impl Model {
             .map_err(|_| LlamaError::Invalid(format!("model path contains a NUL byte: {shown}")))?;
         let mut mp = unsafe { sys::llama_model_default_params() };
         mp.n_gpu_layers = params.n_gpu_layers;
+        mp.use_extra_bufts = params.repack;
         let raw = unsafe { sys::llama_model_load_from_file(cpath.as_ptr(), mp) };
         let ptr = NonNull::new(raw).ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
-        Ok(Self { ptr, vocab, path: shown })
+        Ok(Self { ptr, vocab, path: shown, repacked: params.repack })
     }
 
     pub(super) fn as_ptr(&self) -> *mut sys::llama_model {
@@ -66,6 +72,11 @@ impl Model {
 
     pub fn path(&self) -> &str {
         &self.path
+    }
+
+    /// Whether llama.cpp was allowed to repack the weights ([`ModelParams::repack`]).
+    pub fn repacked(&self) -> bool {
+        self.repacked
     }
 
     pub fn n_embd(&self) -> usize {

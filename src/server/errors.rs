@@ -1,4 +1,5 @@
-//! Errors as OpenAI shapes them: `{"error": {"message", "type", "code"}}` with an HTTP status.
+//! Errors as OpenAI shapes them: `{"error": {"message", "type", "param", "code"}}` with an HTTP
+//! status; `param` names the request field at fault, where there is one.
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -6,9 +7,9 @@ use axum::Json;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    /// Malformed JSON, wrong types, values out of range.
-    #[error("{0}")]
-    InvalidRequest(String),
+    /// Malformed JSON, wrong types, values out of range; `param` is the field at fault.
+    #[error("{message}")]
+    InvalidRequest { message: String, param: Option<String> },
     #[error("the prompt has {n_prompt} tokens but the context holds {n_ctx}")]
     ContextExceeded { n_prompt: usize, n_ctx: usize },
     #[error("missing or invalid API key (send `Authorization: Bearer KEY`)")]
@@ -31,7 +32,7 @@ impl ApiError {
     fn parts(&self) -> (StatusCode, &'static str, &'static str) {
         use ApiError::*;
         match self {
-            InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
+            InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
             ContextExceeded { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded"),
             Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
             ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
@@ -43,10 +44,24 @@ impl ApiError {
         }
     }
 
+    /// A request that cannot be served as sent, for no one field's value.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest { message: message.into(), param: None }
+    }
+
+    /// A request whose field `param` holds a value that cannot be served.
+    pub fn invalid_param(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest { message: message.into(), param: Some(param.into()) }
+    }
+
     /// The JSON body, also sent as the last event of a stream that fails.
     pub fn body(&self) -> serde_json::Value {
         let (_, kind, code) = self.parts();
-        serde_json::json!({ "error": { "message": self.to_string(), "type": kind, "code": code } })
+        let param = match self {
+            ApiError::InvalidRequest { param, .. } => param.as_deref(),
+            _ => None,
+        };
+        serde_json::json!({ "error": { "message": self.to_string(), "type": kind, "param": param, "code": code } })
     }
 }
 
@@ -60,18 +75,21 @@ impl From<BytesRejection> for ApiError {
     fn from(r: BytesRejection) -> Self {
         match r.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge(r.body_text()),
-            _ => ApiError::InvalidRequest(format!("cannot read the request body: {}", r.body_text())),
+            _ => ApiError::invalid(format!("cannot read the request body: {}", r.body_text())),
         }
     }
 }
 
-impl From<serde_json::Error> for ApiError {
-    fn from(e: serde_json::Error) -> Self {
+impl From<serde_path_to_error::Error<serde_json::Error>> for ApiError {
+    /// A body that is not JSON, or not of the route's shape; a wrong field names its path.
+    fn from(e: serde_path_to_error::Error<serde_json::Error>) -> Self {
         use serde_json::error::Category;
-        let what = match e.classify() {
-            Category::Data => "invalid request",
-            Category::Syntax | Category::Eof | Category::Io => "malformed JSON",
-        };
-        ApiError::InvalidRequest(format!("{what}: {e}"))
+        let path = e.path().to_string();
+        let e = e.into_inner();
+        match e.classify() {
+            Category::Syntax | Category::Eof | Category::Io => ApiError::invalid(format!("malformed JSON: {e}")),
+            Category::Data if path == "." || path.contains('?') => ApiError::invalid(format!("invalid request: {e}")),
+            Category::Data => ApiError::invalid_param(path.clone(), format!("invalid request: `{path}`: {e}")),
+        }
     }
 }

@@ -33,8 +33,29 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let body = Bytes::from_request(req, state).await?;
-        Ok(Self(serde_json::from_slice(&body)?))
+        Ok(Self(parse_body(&body)?))
     }
+}
+
+/// A generation route's body: its own fields, and the sampling fields every such route shares,
+/// both read from the same bytes (instead of `#[serde(flatten)]`: see `types`).
+pub struct Sampled<T>(pub T, pub SamplingFields);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Sampled<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let body = Bytes::from_request(req, state).await?;
+        Ok(Self(parse_body(&body)?, parse_body(&body)?))
+    }
+}
+
+/// One JSON document of shape `T`; a field of the wrong type is named by its path.
+fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de)?;
+    de.end().map_err(|e| ApiError::invalid(format!("malformed JSON: {e}")))?;
+    Ok(value)
 }
 
 pub async fn require_api_key(State(s): Shared, req: Request, next: Next) -> Result<Response, ApiError> {
@@ -128,14 +149,14 @@ fn piece(bytes: Vec<u8>) -> Piece {
 }
 
 pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeRequest>) -> Result<Json<Content>, ApiError> {
-    let ids = token_ids(s.model(), &req.tokens)?;
+    let ids = token_ids(s.model(), &req.tokens, "tokens")?;
     Ok(Json(Content { content: s.model().detokenize(&ids, true) }))
 }
 
-pub async fn chat(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
+pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
     known_model(&s, req.model.as_deref())?;
     one_choice(req.n)?;
-    let opts = options(&s, req.sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
+    let opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     let messages = chat_messages(req.messages)?;
     let model = s.model().clone();
     let prompt = blocking(move || model.tokenize(&model.apply_chat_template(&messages, true)?, true, true)).await?;
@@ -144,10 +165,13 @@ pub async fn chat(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Resul
     generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
 }
 
-pub async fn completions(State(s): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(s): Shared,
+    Sampled(req, sampling): Sampled<CompletionRequest>,
+) -> Result<Response, ApiError> {
     known_model(&s, req.model.as_deref())?;
     one_choice(req.n)?;
-    let opts = options(&s, req.sampling, req.max_tokens, "max_tokens")?;
+    let opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage });
@@ -156,10 +180,10 @@ pub async fn completions(State(s): Shared, ApiJson(req): ApiJson<CompletionReque
 
 pub async fn llama_completion(
     State(s): Shared,
-    ApiJson(req): ApiJson<LlamaCompletionRequest>,
+    Sampled(req, sampling): Sampled<LlamaCompletionRequest>,
 ) -> Result<Response, ApiError> {
     // -1 is llama-server's "no limit": up to the end of the context.
-    let opts = options(&s, req.sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
+    let opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone(), model: s.model().clone() };
     generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), req.stream.unwrap_or(false)).await
@@ -175,7 +199,7 @@ async fn generate(
     stream: bool,
 ) -> Result<Response, ApiError> {
     if prompt.is_empty() {
-        return Err(ApiError::InvalidRequest("the prompt is empty".into()));
+        return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
     }
     if prompt.len() >= s.n_ctx() {
         return Err(ApiError::ContextExceeded { n_prompt: prompt.len(), n_ctx: s.n_ctx() });
@@ -200,7 +224,7 @@ fn known_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 fn one_choice(n: Option<i64>) -> Result<(), ApiError> {
     match n {
         Some(n) if n != 1 => {
-            Err(ApiError::InvalidRequest(format!("`n` = {n}: only one choice per request is supported")))
+            Err(ApiError::invalid_param("n", format!("`n` = {n}: only one choice per request is supported")))
         }
         _ => Ok(()),
     }
@@ -220,12 +244,12 @@ fn options(
     let n_predict = match max_tokens {
         None => n_ctx,
         Some(n) if (1..=n_ctx as i64).contains(&n) => n as usize,
-        Some(n) => return Err(invalid(format!("`{max_name}` must be between 1 and {n_ctx} (the context), got {n}"))),
+        Some(n) => return Err(ApiError::invalid_param(max_name, format!("`{max_name}` must be between 1 and {n_ctx} (the context), got {n}"))),
     };
     let unit = |name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32| match v {
         None => Ok(default),
         Some(x) if x.is_finite() && (lo..=hi).contains(&x) => Ok(x),
-        Some(x) => Err(invalid(format!("`{name}` must be between {lo} and {hi}, got {x}"))),
+        Some(x) => Err(ApiError::invalid_param(name, format!("`{name}` must be between {lo} and {hi}, got {x}"))),
     };
     let sampling = SamplingParams {
         temperature: unit("temperature", f.temperature, 0.0, 2.0, d.temperature)?,
@@ -237,7 +261,7 @@ fn options(
             None => d.repeat_last_n,
             Some(-1) => n_ctx as i32, // llama.cpp's "the whole context"
             Some(n) if n >= 0 => n,
-            Some(n) => return Err(invalid(format!("`repeat_last_n` must be -1 or more, got {n}"))),
+            Some(n) => return Err(ApiError::invalid_param("repeat_last_n", format!("`repeat_last_n` must be -1 or more, got {n}"))),
         },
         seed: match f.seed {
             None => d.seed,
@@ -257,13 +281,9 @@ fn options(
     })
 }
 
-fn invalid(msg: String) -> ApiError {
-    ApiError::InvalidRequest(msg)
-}
-
 fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
-        return Err(invalid("`messages` must hold at least one message".into()));
+        return Err(ApiError::invalid_param("messages", "`messages` must hold at least one message"));
     }
     messages
         .into_iter()
@@ -275,7 +295,7 @@ fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiEr
                     .into_iter()
                     .map(|p| match (p.kind.as_str(), p.text) {
                         ("text", Some(t)) => Ok(t),
-                        (kind, _) => Err(invalid(format!(
+                        (kind, _) => Err(ApiError::invalid_param("messages", format!(
                             "content parts of type `{kind}` are not supported: the model reads text"
                         ))),
                     })
@@ -288,22 +308,25 @@ fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiEr
 
 async fn prompt_tokens(s: &AppState, prompt: Prompt) -> Result<Vec<Token>, ApiError> {
     let text = match prompt {
-        Prompt::Tokens(ids) => return token_ids(s.model(), &ids),
+        Prompt::Tokens(ids) => return token_ids(s.model(), &ids, "prompt"),
         Prompt::Text(t) => t,
         Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
-        Prompt::Texts(v) => return Err(invalid(format!("{} prompts: send one prompt per request", v.len()))),
+        Prompt::Texts(v) => {
+            return Err(ApiError::invalid_param("prompt", format!("{} prompts: send one prompt per request", v.len())))
+        }
     };
     let model = s.model().clone();
     blocking(move || model.tokenize(&text, true, true)).await
 }
 
-/// Token ids from a client, each checked against the vocabulary (llama.cpp does not check).
-fn token_ids(model: &Model, ids: &[i64]) -> Result<Vec<Token>, ApiError> {
+/// Token ids from a client's field `param`, each checked against the vocabulary (llama.cpp does
+/// not check).
+fn token_ids(model: &Model, ids: &[i64], param: &str) -> Result<Vec<Token>, ApiError> {
     let n_vocab = model.n_vocab();
     ids.iter()
         .map(|&id| match Token::try_from(id) {
             Ok(t) if t >= 0 && (t as usize) < n_vocab => Ok(t),
-            _ => Err(invalid(format!("token id {id} is outside the vocabulary (0..{n_vocab})"))),
+            _ => Err(ApiError::invalid_param(param, format!("token id {id} is outside the vocabulary (0..{n_vocab})"))),
         })
         .collect()
 }
@@ -315,7 +338,7 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))?
-        .map_err(|e| invalid(e.to_string()))
+        .map_err(|e| ApiError::invalid(e.to_string()))
 }
 
 fn now() -> u64 {
@@ -545,4 +568,57 @@ fn event(v: &impl Serialize) -> Event {
 
 fn done() -> Event {
     Event::default().data("[DONE]")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The numbers real clients send (`"temperature": 0.7`) reach every generation route's
+    /// sampling fields, next to the route's own fields.
+    #[test]
+    fn fractional_numbers_parse_on_every_generation_route() {
+        let sampling = r#""temperature": 0.7, "top_p": 0.95, "min_p": 1e-3, "repeat_penalty": 1.05, "seed": 3"#;
+        let check = |f: SamplingFields| {
+            assert_eq!((f.temperature, f.top_p, f.min_p, f.repeat_penalty), (Some(0.7), Some(0.95), Some(1e-3), Some(1.05)));
+            assert_eq!(f.seed, Some(3));
+        };
+        let chat = format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 5, {sampling}}}"#);
+        let req: ChatRequest = parse_body(chat.as_bytes()).unwrap();
+        assert_eq!((req.messages.len(), req.max_tokens), (1, Some(5)));
+        check(parse_body(chat.as_bytes()).unwrap());
+
+        let text = format!(r#"{{"prompt": "hi", "max_tokens": 5, {sampling}}}"#);
+        let req: CompletionRequest = parse_body(text.as_bytes()).unwrap();
+        assert_eq!(req.max_tokens, Some(5));
+        check(parse_body(text.as_bytes()).unwrap());
+
+        let llama = format!(r#"{{"prompt": [1, 2], "n_predict": 5, "return_tokens": true, {sampling}}}"#);
+        let req: LlamaCompletionRequest = parse_body(llama.as_bytes()).unwrap();
+        assert!(matches!(req.prompt, Prompt::Tokens(ref t) if t == &[1, 2]) && req.return_tokens);
+        check(parse_body(llama.as_bytes()).unwrap());
+    }
+
+    /// A value of the wrong type is refused with the field's path as `param`.
+    #[test]
+    fn a_wrong_type_names_its_field() {
+        let param = |body: &str| match parse_body::<SamplingFields>(body.as_bytes()) {
+            Err(e) => e.body()["error"]["param"].clone(),
+            Ok(f) => panic!("{body} parsed: {f:?}"),
+        };
+        assert_eq!(param(r#"{"temperature": "hot"}"#), "temperature");
+        assert_eq!(param(r#"{"stop": ["a", 1]}"#), "stop");
+        let e = parse_body::<ChatRequest>(br#"{"messages": [{"role": 7}]}"#).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "messages[0].role");
+        let e = parse_body::<SamplingFields>(b"{\"top_p\": 0.5").unwrap_err();
+        assert!(e.body()["error"]["param"].is_null() && e.to_string().starts_with("malformed JSON"), "{e}");
+    }
+
+    /// serde_json must be built without `arbitrary_precision` (a dependency can turn it on for the
+    /// whole build, as gguf-rs did): with it, `1e-3` keeps its text instead of becoming a number.
+    #[test]
+    fn serde_json_reads_numbers_as_numbers() {
+        let v: serde_json::Value = serde_json::from_str("1e-3").unwrap();
+        assert_eq!(v.to_string(), "0.001", "serde_json's arbitrary_precision is on in this build");
+    }
 }

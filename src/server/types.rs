@@ -1,12 +1,18 @@
 //! Request and response shapes: OpenAI's (`/v1/...`) and llama-server's (`/completion`,
 //! `/tokenize`, `/detokenize`, `/props`). Unknown request fields are ignored, as both do.
+//!
+//! No request type uses `#[serde(flatten)]` or holds a float inside an `#[serde(untagged)]` enum:
+//! both buffer values through serde's `Content`, which loses the field path of an error and, were
+//! serde_json's `arbitrary_precision` ever on in the build, sees every fractional number as a map.
+//! Fields shared by several routes are a struct of their own, read from the same body (`Sampled`).
 use crate::engine::{FinishReason, Generation, Stats};
 use crate::llama::Token;
 use serde::{Deserialize, Serialize};
 
 // ---- requests ----
 
-/// Sampling fields every generation endpoint takes (llama.cpp's names; OpenAI's are a subset).
+/// Sampling fields every generation endpoint takes (llama.cpp's names; OpenAI's are a subset),
+/// read from the same body as the route's own request type.
 #[derive(Debug, Default, Deserialize)]
 pub struct SamplingFields {
     pub temperature: Option<f32>,
@@ -52,8 +58,6 @@ pub struct ChatRequest {
     pub n: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,8 +99,6 @@ pub struct CompletionRequest {
     pub n: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
 }
 
 /// llama-server's `POST /completion`.
@@ -108,8 +110,6 @@ pub struct LlamaCompletionRequest {
     pub stream: Option<bool>,
     #[serde(default)]
     pub return_tokens: bool,
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
 }
 
 #[derive(Debug, Deserialize)]
