@@ -1055,6 +1055,10 @@ pub struct Run {
 
 impl Run {
     /// The engine slot (cache sequence) this generation runs in.
+    pub fn options(&self) -> &GenerateOptions {
+        &self.opts
+    }
+
     pub fn slot(&self) -> usize {
         self.slot
     }

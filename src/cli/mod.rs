@@ -1,5 +1,6 @@
 //! The command line: one file per subcommand; flags are defined once, here and in
 //! the subcommand's `Args` struct.
+pub mod answer;
 pub mod bench;
 pub mod chat;
 pub mod convert;
@@ -38,6 +39,8 @@ pub enum Command {
     Convert(convert::ConvertArgs),
     /// Read a drafter's training data (features, greedy labels) off the target.
     Dataset(dataset::DatasetArgs),
+    /// Answer a drafter's training prompts with the target, many conversations at once.
+    Answer(answer::AnswerArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -50,6 +53,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Dataset(a) => dataset::run(a),
+        Command::Answer(a) => answer::run(a),
     }
 }
 

@@ -218,6 +218,11 @@ impl Context {
         cp.n_threads = params.n_threads;
         cp.n_threads_batch = params.n_threads;
         cp.no_perf = true;
+        // `--gpu-layers 0` means the CPU does all the work: without this a GPU build would still
+        // run batches' matrix products on the device (offloading ops of host-resident weights).
+        if model.n_gpu_layers() == 0 {
+            cp.op_offload = false;
+        }
         if let Some(o) = other {
             cp.ctx_other = o.h.ptr.as_ptr();
         }

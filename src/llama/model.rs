@@ -33,6 +33,7 @@ pub struct Model {
     vocab: NonNull<sys::llama_vocab>,
     path: String,
     repacked: bool,
+    n_gpu_layers: i32,
 }
 
 // llama.cpp models are immutable after loading and safe to share between threads.
@@ -59,7 +60,7 @@ impl Model {
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
-        Ok(Self { ptr, vocab, path: shown, repacked: params.repack })
+        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers })
     }
 
     pub(super) fn as_ptr(&self) -> *mut sys::llama_model {
@@ -72,6 +73,11 @@ impl Model {
 
     pub fn path(&self) -> &str {
         &self.path
+    }
+
+    /// Layers offloaded to a GPU as asked at load ([`ModelParams::n_gpu_layers`]).
+    pub fn n_gpu_layers(&self) -> i32 {
+        self.n_gpu_layers
     }
 
     /// Whether llama.cpp was allowed to repack the weights ([`ModelParams::repack`]).

@@ -88,7 +88,10 @@ impl From<serde_path_to_error::Error<serde_json::Error>> for ApiError {
         let e = e.into_inner();
         match e.classify() {
             Category::Syntax | Category::Eof | Category::Io => ApiError::invalid(format!("malformed JSON: {e}")),
-            Category::Data if path == "." || path.contains('?') => ApiError::invalid(format!("invalid request: {e}")),
+            // A body that is not an object (`[1, 2]`) or a path through an unnamed part: no field to name.
+            Category::Data if path == "." || path.starts_with('[') || path.contains('?') => {
+                ApiError::invalid(format!("invalid request: {e}"))
+            }
             Category::Data => ApiError::invalid_param(path.clone(), format!("invalid request: `{path}`: {e}")),
         }
     }
