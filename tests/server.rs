@@ -365,6 +365,19 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     let joined: String = pieces["tokens"].as_array().unwrap().iter().map(|t| t["piece"].as_str().unwrap()).collect();
     assert_eq!(joined, "The quick");
 
+    // llama-server's routes without the `/v1` prefix answer as the prefixed ones do.
+    let (code, models) = server.get("/models");
+    assert_eq!((code, serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"].clone()), (200, json!(MODEL)));
+    assert_eq!(server.get("/v1/health"), (200, r#"{"status":"ok"}"#.to_string()));
+    let body = json!({ "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0 });
+    let (c, d) = (server.post_ok("/completions", body.clone()), server.post_ok("/v1/completions", body));
+    assert_eq!(c["choices"], d["choices"]);
+    let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 6 });
+    let (a, b) = (server.post_ok("/chat/completions", chat.clone()), server.post_ok("/v1/chat/completions", chat));
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    let n_unprefixed: f64 =
+        [&a, &b, &c, &d].iter().map(|r| r["usage"]["completion_tokens"].as_f64().unwrap()).sum();
+
     // Token ids as the prompt give the same answer as the text they spell.
     let by_ids = server.post_ok("/completion", json!({ "prompt": ids, "n_predict": 8 }));
     let by_text = server.post_ok("/completion", json!({ "prompt": "The quick brown fox", "n_predict": 8 }));
@@ -405,10 +418,10 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     ] {
         assert!(metrics.contains(&format!("# TYPE dflash2_{name} ")), "no {name} in {metrics}");
     }
-    assert_eq!(server.metric("requests_finished_total"), 9.0);
+    assert_eq!(server.metric("requests_finished_total"), 13.0);
     let n_stopped = stopped["tokens_predicted"].as_f64().unwrap();
     let n_sampled: f64 = runs.iter().map(|t| t.as_array().unwrap().len() as f64).sum();
-    assert_eq!(server.metric("tokens_predicted_total"), 24.0 + 24.0 + n_stopped + 8.0 + 8.0 + n_sampled);
+    assert_eq!(server.metric("tokens_predicted_total"), 24.0 + 24.0 + n_stopped + 8.0 + 8.0 + n_sampled + n_unprefixed);
 }
 
 #[test]

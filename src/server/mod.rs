@@ -54,10 +54,14 @@ impl AppState {
 
 /// The routes; everything but `/health` needs the API key when one is set.
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    // llama-server answers its OpenAI routes with and without the `/v1` prefix; so do we.
     Router::new()
         .route("/v1/models", get(routes::models))
+        .route("/models", get(routes::models))
         .route("/v1/chat/completions", post(routes::chat))
+        .route("/chat/completions", post(routes::chat))
         .route("/v1/completions", post(routes::completions))
+        .route("/completions", post(routes::completions))
         .route("/completion", post(routes::llama_completion))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
@@ -65,6 +69,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/metrics", get(routes::metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), routes::require_api_key))
         .route("/health", get(routes::health))
+        .route("/v1/health", get(routes::health))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
