@@ -1,4 +1,4 @@
-//! The `dflash2 generate` command as users run it.
+//! The command line as users run it: `generate`, and `answer` (training answers, many at once).
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -123,4 +123,42 @@ fn bad_kv_cache_types_are_refused_with_the_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("flash attention") && err.contains("f16"), "{err}");
+}
+
+/// `dflash2 answer` writes, for every prompt, the greedy answer plain `generate --chat` gives
+/// (token for token, whatever number of conversations is decoded together), sampled answers after
+/// it, and resumes without writing an answer twice.
+#[test]
+fn answer_writes_each_prompts_greedy_answer_batched_and_resumes() {
+    let dir = common::scratch_dir("cli-answer");
+    let prompts = dir.join("prompts.jsonl");
+    let texts = ["Tell me a story.", "def add(a, b):", "What is the sea?", "List three colours."];
+    let rows: Vec<String> = texts.iter().map(|t| serde_json::json!({ "source": "test", "prompt": t }).to_string()).collect();
+    std::fs::write(&prompts, rows.join("\n") + "\n").unwrap();
+    let out = dir.join("answers.jsonl");
+    let _ = std::fs::remove_file(&out);
+    let target = path("target.gguf");
+    let answer = |limit: &str| {
+        let o = dflash2(&[
+            "answer", "-m", &target, "--prompts", prompts.to_str().unwrap(), "--out", out.to_str().unwrap(),
+            "--parallel", "3", "-n", "16", "--samples", "2", "--temp", "0.9", "--limit", limit,
+        ]);
+        assert!(o.status.success(), "answer failed: {}", String::from_utf8_lossy(&o.stderr));
+    };
+    answer("5"); // stopped part-way: the rerun must finish the rest and repeat nothing
+    answer("0");
+    let written: Vec<serde_json::Value> =
+        std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(written.len(), texts.len() * 2, "every (prompt, sample) once");
+    for t in texts {
+        let greedy: Vec<_> = written.iter().filter(|r| r["prompt"] == t && r["sample"] == 0).collect();
+        let sampled: Vec<_> = written.iter().filter(|r| r["prompt"] == t && r["sample"] == 1).collect();
+        assert_eq!((greedy.len(), sampled.len()), (1, 1), "{t}");
+        let plain = dflash2(&["generate", "-m", &target, "--select", "none", "--chat", "-p", t, "-n", "16", "--json"]);
+        let plain: serde_json::Value = serde_json::from_slice(&plain.stdout).unwrap();
+        assert_eq!(greedy[0]["answer_tokens"], plain["tokens"], "{t}: the batched greedy answer differs from generate's");
+        assert_eq!(greedy[0]["answer"], plain["text"], "{t}");
+        assert_eq!(greedy[0]["source"], "test");
+        assert_eq!(sampled[0]["temperature"].as_f64(), Some(0.9f32 as f64));
+    }
 }

@@ -13,7 +13,7 @@ pub struct DatasetArgs {
     #[arg(short = 'm', long = "model")]
     pub model: PathBuf,
     /// Training rows, one JSON object per line: {"prompt", "answer"} (the target's own answer,
-    /// as `gguf-drafters/train/generate_answers.py` writes them) or {"text"} (any text).
+    /// as `dflash2 answer` writes them) or {"text"} (any text).
     #[arg(long)]
     pub conversations: PathBuf,
     /// Output file (safetensors).
