@@ -162,3 +162,32 @@ fn answer_writes_each_prompts_greedy_answer_batched_and_resumes() {
         assert_eq!(sampled[0]["temperature"].as_f64(), Some(0.9f32 as f64));
     }
 }
+
+/// `dflash2 quantize` goes through llama.cpp's quantizer: an already-quantized input is refused
+/// without `--allow-requantize` (saying why), and the result loads and generates.
+#[test]
+fn quantize_refuses_a_silent_requantize_and_writes_a_loadable_model() {
+    let dir = common::scratch_dir("cli-quantize");
+    let (target, out) = (path("target.gguf"), dir.join("target.q4_0.gguf"));
+    let _ = std::fs::remove_file(&out);
+    let refused = dflash2(&["quantize", &target, out.to_str().unwrap(), "--type", "q4_0"]);
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("already quantized") && err.contains("--allow-requantize"), "{err}");
+    assert!(!out.exists(), "a refused quantize wrote a file");
+
+    let bad_type = dflash2(&["quantize", &target, out.to_str().unwrap(), "--type", "q3_zz"]);
+    assert!(String::from_utf8_lossy(&bad_type.stderr).contains("--type q3_zz"));
+    let drafter = dflash2(&["quantize", &path("drafter-dflash2.gguf"), out.to_str().unwrap(), "--type", "q8_0"]);
+    assert!(String::from_utf8_lossy(&drafter.stderr).contains("DFlash drafter"));
+
+    let done = dflash2(&["quantize", &target, out.to_str().unwrap(), "--type", "q4_0", "--allow-requantize"]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert!(String::from_utf8_lossy(&done.stderr).contains("warning: requantizing"));
+    let info = dflash2(&["inspect", out.to_str().unwrap(), "--all"]);
+    assert!(String::from_utf8_lossy(&info.stdout).contains(" Q4_0 "), "no Q4_0 tensor in the output");
+    let g = dflash2(&["generate", "-m", out.to_str().unwrap(), "-p", "Once upon a time", "-n", "8", "--json"]);
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    let g: serde_json::Value = serde_json::from_slice(&g.stdout).unwrap();
+    assert_eq!(g["n_generated"], 8);
+}

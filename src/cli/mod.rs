@@ -7,6 +7,7 @@ pub mod convert;
 pub mod dataset;
 pub mod generate;
 pub mod inspect;
+pub mod quantize;
 pub mod serve;
 pub mod synth;
 
@@ -41,6 +42,8 @@ pub enum Command {
     Dataset(dataset::DatasetArgs),
     /// Answer a drafter's training prompts with the target, many conversations at once.
     Answer(answer::AnswerArgs),
+    /// Write a model's weights in another type (llama.cpp's quantizer).
+    Quantize(quantize::QuantizeArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -54,6 +57,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Convert(a) => convert::run(a),
         Command::Dataset(a) => dataset::run(a),
         Command::Answer(a) => answer::run(a),
+        Command::Quantize(a) => quantize::run(a),
     }
 }
 

@@ -272,3 +272,39 @@ impl Model {
         Err(LlamaError::ChatTemplate("template output kept growing".into()))
     }
 }
+
+/// Weight types `quantize` writes: (name, llama.cpp's file type).
+pub const QUANT_TYPES: [(&str, u32); 9] = [
+    ("f16", sys::LLAMA_FTYPE_MOSTLY_F16),
+    ("q8_0", sys::LLAMA_FTYPE_MOSTLY_Q8_0),
+    ("q6_k", sys::LLAMA_FTYPE_MOSTLY_Q6_K),
+    ("q5_k_m", sys::LLAMA_FTYPE_MOSTLY_Q5_K_M),
+    ("q5_1", sys::LLAMA_FTYPE_MOSTLY_Q5_1),
+    ("q5_0", sys::LLAMA_FTYPE_MOSTLY_Q5_0),
+    ("q4_k_m", sys::LLAMA_FTYPE_MOSTLY_Q4_K_M),
+    ("q4_1", sys::LLAMA_FTYPE_MOSTLY_Q4_1),
+    ("q4_0", sys::LLAMA_FTYPE_MOSTLY_Q4_0),
+];
+
+/// Write `input`'s weights as `ftype` (one of [`QUANT_TYPES`]) to `output` with llama.cpp's own
+/// quantizer. `allow_requantize` lets it start from weights that are already quantized.
+pub fn quantize(input: &Path, output: &Path, ftype: u32, allow_requantize: bool, threads: i32) -> Result<()> {
+    super::init_backend();
+    let path = |p: &Path| {
+        CString::new(p.to_string_lossy().as_bytes())
+            .map_err(|_| LlamaError::Invalid(format!("path contains a NUL byte: {}", p.display())))
+    };
+    let (inp, out) = (path(input)?, path(output)?);
+    let mut params = unsafe { sys::llama_model_quantize_default_params() };
+    params.ftype = ftype as _;
+    params.allow_requantize = allow_requantize;
+    params.nthread = threads;
+    let code = unsafe { sys::llama_model_quantize(inp.as_ptr(), out.as_ptr(), &params) };
+    if code != 0 {
+        return Err(LlamaError::Invalid(format!(
+            "llama.cpp could not quantize {} (code {code}; see the log above for its reason)",
+            input.display()
+        )));
+    }
+    Ok(())
+}
