@@ -259,7 +259,8 @@ fn the_openai_client_gets_chat_completions_and_streams() {
     assert!(!stop.is_empty());
     assert_eq!(r["stopped"]["text"].as_str().unwrap(), &full[..full.find(stop).unwrap()]);
     assert_eq!(r["stopped"]["finish"], "stop");
-    assert_eq!(r["unknown_model"], json!({ "status": 404, "code": "model_not_found" }));
+    // Any model name is served by the one model, and the answer names the served one.
+    assert_eq!(r["other_model"], json!({ "model": MODEL, "tokens": 4 }));
 
     // Fractional sampling values (temperature 0.7, top_p 0.95, min_p 1e-3) are taken, not refused,
     // and they reach the sampler: one seed reproduces its text, other seeds change it.
@@ -447,7 +448,7 @@ fn curl_streams_openai_events_ending_with_done() {
 /// Each bad request gets an OpenAI-style error with the right status, and the server goes on.
 #[test]
 fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
-    let server = Server::start("bad-input", &["--ctx-size", "256", "--max-body", "65536"]);
+    let server = Server::start("bad-input", &["--ctx-size", "256", "--max-body", "65536", "--alias", "tiny,tiny-chat"]);
     let user = |extra: Value| {
         let mut body = json!({ "model": MODEL, "messages": [{ "role": "user", "content": "hello" }] });
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
@@ -485,15 +486,6 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         ),
         ("no messages field", "/v1/chat/completions", r#"{"model": "target.gguf"}"#.into(), 400, "invalid_request", None),
         ("empty messages", "/v1/chat/completions", r#"{"messages": []}"#.into(), 400, "invalid_request", Some("messages")),
-        ("unknown model", "/v1/chat/completions", user(json!({ "model": "gpt-4" })), 404, "model_not_found", None),
-        (
-            "unknown model (completions)",
-            "/v1/completions",
-            r#"{"model": "x", "prompt": "hi"}"#.into(),
-            404,
-            "model_not_found",
-            None,
-        ),
         ("max_tokens 0", "/v1/chat/completions", user(json!({ "max_tokens": 0 })), 400, "invalid_request", Some("max_tokens")),
         (
             "max_tokens negative",
@@ -593,6 +585,18 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         assert!(v["error"]["type"].is_string(), "{what}: {v}");
         server.assert_healthy(what);
     }
+
+    // --alias names the model: every name is listed, the first is what answers carry.
+    let (_, models) = server.get("/v1/models");
+    let ids: Vec<Value> = serde_json::from_str::<Value>(&models).unwrap()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!("tiny"), json!("tiny-chat")]);
+    let ok = server.post_ok("/v1/chat/completions", json!({ "model": "tiny-chat", "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 2 }));
+    assert_eq!(ok["model"], "tiny");
 
     // A body over --max-body: 413, read from a file as a client would upload it.
     let big = common::scratch_dir("server-bad-input").join("big.json");

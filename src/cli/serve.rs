@@ -28,9 +28,11 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long = "api-key")]
     pub api_key: Option<String>,
-    /// Name of the model in /v1/models and in requests (default: the target's file name).
-    #[arg(long)]
-    pub alias: Option<String>,
+    /// Names of the model in /v1/models, comma-separated; the first is the one answers carry
+    /// (default: the target's file name). One model is served, so a request may name any model
+    /// (as clients configured for another server do), as with llama-server.
+    #[arg(long, value_delimiter = ',')]
+    pub alias: Vec<String>,
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long = "max-body", default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -58,7 +60,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let state = Arc::new(AppState {
         scheduler,
         metrics,
-        model_id: args.alias.clone().unwrap_or_else(|| file_name(&args.models.model)),
+        model_ids: if args.alias.is_empty() { vec![file_name(&args.models.model)] } else { args.alias.clone() },
         drafter_path: drafter.map(|d| d.display().to_string()),
         api_key: args.api_key.clone(),
         defaults: Defaults { select, block, adaptive, tree_budget: args.draft.tree_budget, sampling: args.sampling.params() },

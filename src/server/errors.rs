@@ -14,8 +14,6 @@ pub enum ApiError {
     ContextExceeded { n_prompt: usize, n_ctx: usize },
     #[error("missing or invalid API key (send `Authorization: Bearer KEY`)")]
     Unauthorized,
-    #[error("the model `{0}` does not exist; GET /v1/models lists the one served here")]
-    ModelNotFound(String),
     #[error("no endpoint {0}")]
     NotFound(String),
     #[error("method not allowed on this endpoint")]
@@ -35,7 +33,6 @@ impl ApiError {
             InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
             ContextExceeded { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded"),
             Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
-            ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
             NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
             MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed"),
             TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large"),

@@ -34,8 +34,9 @@ pub struct Defaults {
 pub struct AppState {
     pub scheduler: Scheduler,
     pub metrics: Arc<Metrics>,
-    /// The name clients pass as `model`.
-    pub model_id: String,
+    /// The served model's names (`--alias`): the first is the one answers carry. Requests may
+    /// name any model: one is served, and clients configured for another server send its name.
+    pub model_ids: Vec<String>,
     pub drafter_path: Option<String>,
     pub api_key: Option<String>,
     pub defaults: Defaults,
@@ -45,6 +46,11 @@ impl AppState {
     /// The target, for chat templates and tokenizing (read-only, shared with the engine).
     pub fn model(&self) -> &Arc<Model> {
         &self.scheduler.info().target
+    }
+
+    /// The name answers carry.
+    pub fn model_id(&self) -> &str {
+        &self.model_ids[0]
     }
 
     pub fn n_ctx(&self) -> usize {

@@ -92,13 +92,17 @@ pub async fn method_not_allowed() -> ApiError {
 pub async fn models(State(s): Shared) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: s.model_id.clone(),
-            object: "model",
-            created: now(),
-            owned_by: "dflash2",
-            meta: ModelMeta { n_vocab: s.model().n_vocab(), n_ctx: s.n_ctx(), drafter: s.drafter_path.clone() },
-        }],
+        data: s
+            .model_ids
+            .iter()
+            .map(|id| ModelCard {
+                id: id.clone(),
+                object: "model",
+                created: now(),
+                owned_by: "dflash2",
+                meta: ModelMeta { n_vocab: s.model().n_vocab(), n_ctx: s.n_ctx(), drafter: s.drafter_path.clone() },
+            })
+            .collect(),
     })
 }
 
@@ -154,7 +158,6 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 }
 
 pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
-    known_model(&s, req.model.as_deref())?;
     one_choice(req.n)?;
     let opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     let messages = chat_messages(req.messages)?;
@@ -169,7 +172,6 @@ pub async fn completions(
     State(s): Shared,
     Sampled(req, sampling): Sampled<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    known_model(&s, req.model.as_deref())?;
     one_choice(req.n)?;
     let opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
@@ -212,13 +214,6 @@ async fn generate(
         return Ok(reply.stream(events));
     }
     Ok(reply.whole(&collect(events).await?))
-}
-
-fn known_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if m != s.model_id => Err(ApiError::ModelNotFound(m.to_string())),
-        _ => Ok(()),
-    }
 }
 
 fn one_choice(n: Option<i64>) -> Result<(), ApiError> {
@@ -366,7 +361,7 @@ impl Reply {
             shape,
             id: format!("{prefix}-{:016x}", rand::random::<u64>()),
             created: now(),
-            model: s.model_id.clone(),
+            model: s.model_id().to_string(),
         }
     }
 

@@ -50,6 +50,7 @@ pub struct StreamOptions {
 
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
+    /// Accepted and not checked: one model is served (llama-server does the same).
     pub model: Option<String>,
     pub messages: Vec<ChatMessageIn>,
     pub max_tokens: Option<i64>,
@@ -93,6 +94,7 @@ pub enum Prompt {
 /// `POST /v1/completions`.
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
+    /// Accepted and not checked: one model is served.
     pub model: Option<String>,
     pub prompt: Prompt,
     pub max_tokens: Option<i64>,
