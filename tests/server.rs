@@ -373,6 +373,7 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     let body = json!({ "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0 });
     let (c, d) = (server.post_ok("/completions", body.clone()), server.post_ok("/v1/completions", body));
     assert_eq!(c["choices"], d["choices"]);
+    assert!(c["system_fingerprint"].as_str().unwrap().starts_with("dflash2-"), "{c}");
     let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 6 });
     let (a, b) = (server.post_ok("/chat/completions", chat.clone()), server.post_ok("/v1/chat/completions", chat));
     assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
@@ -574,11 +575,16 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             None,
         ),
         ("tokenize without content", "/tokenize", "{}".into(), 400, "invalid_request", None),
-        ("unknown endpoint", "/v1/embeddings", "{}".into(), 404, "not_found", None),
+        ("unknown endpoint", "/v1/embeddingz", "{}".into(), 404, "not_found", None),
+        ("embeddings are not offered", "/v1/embeddings", r#"{"input": "hi"}"#.into(), 501, "not_supported", None),
     ];
     for (what, path, body, status, code, param) in &cases {
         let (got, v) = server.post(path, body);
         assert_eq!(got, *status, "{what}: {v}");
+        if *code == "context_length_exceeded" {
+            assert_eq!(v["error"]["type"], "exceed_context_size_error", "{what}: {v}");
+            assert!(v["error"]["n_prompt_tokens"].as_u64().unwrap() > v["error"]["n_ctx"].as_u64().unwrap(), "{v}");
+        }
         assert_eq!(v["error"]["code"], *code, "{what}: {v}");
         assert_eq!(v["error"]["param"].as_str(), *param, "{what}: the error names the wrong field: {v}");
         assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {v}");
@@ -636,6 +642,11 @@ fn an_api_key_guards_everything_but_health() {
         assert_eq!(code, 401, "{path} with a wrong key");
         let (code, text) = curl(&["-H", &format!("Authorization: Bearer {key}"), &url(path)]);
         assert_eq!(code, 200, "{path} with the key: {text}");
+        // llama-server's other header for the key
+        let (code, text) = curl(&["-H", &format!("X-Api-Key: {key}"), &url(path)]);
+        assert_eq!(code, 200, "{path} with X-Api-Key: {text}");
+        let (code, _) = curl(&["-H", "X-Api-Key: nope", &url(path)]);
+        assert_eq!(code, 401, "{path} with a wrong X-Api-Key");
     }
     let (code, _) = curl(&["-X", "POST", "-d", r#"{"prompt":"hi","max_tokens":2}"#, &url("/v1/completions")]);
     assert_eq!(code, 401);

@@ -18,6 +18,8 @@ pub enum ApiError {
     NotFound(String),
     #[error("method not allowed on this endpoint")]
     MethodNotAllowed,
+    #[error("{0} is not offered by this server (it serves generation, not embeddings or reranking)")]
+    NotSupported(String),
     #[error("the request body is larger than the server accepts ({0})")]
     TooLarge(String),
     #[error("every slot is busy and the queue is full: retry later")]
@@ -31,10 +33,12 @@ impl ApiError {
         use ApiError::*;
         match self {
             InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
-            ContextExceeded { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded"),
+            // llama-server's type, OpenAI's code
+            ContextExceeded { .. } => (StatusCode::BAD_REQUEST, "exceed_context_size_error", "context_length_exceeded"),
             Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
             NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
             MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed"),
+            NotSupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported_error", "not_supported"),
             TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large"),
             Busy => (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", "server_busy"),
             Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
@@ -58,7 +62,13 @@ impl ApiError {
             ApiError::InvalidRequest { param, .. } => param.as_deref(),
             _ => None,
         };
-        serde_json::json!({ "error": { "message": self.to_string(), "type": kind, "param": param, "code": code } })
+        let mut body = serde_json::json!({ "message": self.to_string(), "type": kind, "param": param, "code": code });
+        if let ApiError::ContextExceeded { n_prompt, n_ctx } = self {
+            // llama-server's fields, which its clients read to trim a conversation
+            body["n_prompt_tokens"] = (*n_prompt).into();
+            body["n_ctx"] = (*n_ctx).into();
+        }
+        serde_json::json!({ "error": body })
     }
 }
 

@@ -24,6 +24,9 @@ use tokio::sync::mpsc;
 
 type Shared = State<Arc<AppState>>;
 
+/// OpenAI's `system_fingerprint`: which build answered (llama-server sends its build id).
+const SYSTEM_FINGERPRINT: &str = concat!("dflash2-", env!("CARGO_PKG_VERSION"));
+
 /// A JSON body, read whatever its Content-Type says (`curl -d` sends a form type), with
 /// OpenAI-style errors for a body that is too large, malformed or of the wrong shape.
 pub struct ApiJson<T>(pub T);
@@ -60,11 +63,13 @@ fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 
 pub async fn require_api_key(State(s): Shared, req: Request, next: Next) -> Result<Response, ApiError> {
     if let Some(key) = &s.api_key {
-        let given = req
-            .headers()
+        // `Authorization: Bearer KEY` (OpenAI's clients) or `X-Api-Key: KEY` (llama-server accepts both).
+        let headers = req.headers();
+        let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
         if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
             return Err(ApiError::Unauthorized);
         }
@@ -87,6 +92,12 @@ pub async fn not_found(uri: Uri) -> ApiError {
 
 pub async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
+}
+
+/// Routes of llama-server this server does not offer (it answers them 501 unless started for
+/// them): a client learns the feature is missing, not that it mistyped the path.
+pub async fn not_supported(uri: Uri) -> ApiError {
+    ApiError::NotSupported(uri.path().to_string())
 }
 
 pub async fn models(State(s): Shared) -> Json<ModelList> {
@@ -465,6 +476,7 @@ impl Reply {
             object,
             created: self.created,
             model: self.model.clone(),
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices: vec![choice],
             usage: g.map(Usage::from),
             timings: g.map(|g| Timings::from(&g.stats)),
@@ -503,6 +515,7 @@ impl Reply {
             object: "text_completion",
             created: self.created,
             model: self.model.clone(),
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices: vec![TextChoice { index: 0, text, logprobs: None, finish_reason: finish }],
             usage,
             timings,

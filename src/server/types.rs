@@ -216,6 +216,7 @@ pub struct Completion<C> {
     pub object: &'static str,
     pub created: u64,
     pub model: String,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<C>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
