@@ -18,7 +18,9 @@ use crate::llama::{Batch, ChatMessage, Context, ContextParams, FeatureSource, Mo
 pub const DATASET_FORMAT: &str = "dflash2-dataset-v1: tokens I32[N]; next I32[N] = target argmax after \
 token i; features F32[N, n_layers*n_embd] = target layer inputs in target_layers order; offsets \
 I64[S+1] = sequence bounds; answer_start I64[S] = first token of each sequence that may anchor a block \
-(the answer of a chat row, token 1 of a text row)";
+(the answer of a chat row, token 1 of a text row); with soft labels also topk_ids I32[N, K] and \
+topk_logprobs F32[N, K] = the target's K most likely next tokens after token i, most likely first, and \
+their log-probabilities (softmax over the whole vocabulary, temperature 1)";
 
 /// One training row: a user prompt and the target's answer to it (chat template applied),
 /// or plain text (code, prose) read as it is.
@@ -53,6 +55,10 @@ pub struct Dataset {
     features: Vec<f32>,
     offsets: Vec<i64>,
     answer_start: Vec<i64>,
+    /// Soft labels kept per token (0: none).
+    soft_k: usize,
+    topk_ids: Vec<i32>,
+    topk_logprobs: Vec<f32>,
 }
 
 /// Reads features and greedy predictions off a target, one conversation at a time.
@@ -61,12 +67,22 @@ pub struct Extractor {
     mask_token: u32,
     ctx: Context,
     max_len: usize,
+    soft_k: usize,
 }
 
 impl Extractor {
     /// `mask_token`: the token the drafter's blocks will be filled with (see
-    /// [`crate::gguf::synth::mask_token`]), recorded for the training script.
-    pub fn new(target: Arc<Model>, mask_token: u32, layers: Vec<i32>, max_len: usize, n_threads: i32) -> Result<Self> {
+    /// [`crate::gguf::synth::mask_token`]), recorded for the training script. `soft_k`: how many
+    /// of the target's most likely next tokens to keep per position, with their log-probabilities
+    /// (soft labels for distillation; 0 keeps only the greedy label).
+    pub fn new(
+        target: Arc<Model>,
+        mask_token: u32,
+        layers: Vec<i32>,
+        max_len: usize,
+        n_threads: i32,
+        soft_k: usize,
+    ) -> Result<Self> {
         let n_layer = target.n_layer() as i32;
         if let Some(&bad) = layers.iter().find(|&&l| l < 1 || l >= n_layer) {
             bail!("layer {bad}: the target has layers 0..{n_layer}; feature layers are layer inputs 1..{}", n_layer - 1);
@@ -81,7 +97,10 @@ impl Extractor {
             ..ContextParams::default()
         };
         let ctx = Context::new(target.clone(), &params, None)?;
-        Ok(Self { target, mask_token, ctx, max_len })
+        if soft_k > target.n_vocab() {
+            bail!("--soft-k {soft_k}: the target's vocabulary has {} tokens", target.n_vocab());
+        }
+        Ok(Self { target, mask_token, ctx, max_len, soft_k })
     }
 
     pub fn dataset(&self) -> Dataset {
@@ -94,6 +113,9 @@ impl Extractor {
             features: Vec::new(),
             offsets: vec![0],
             answer_start: Vec::new(),
+            soft_k: self.soft_k,
+            topk_ids: Vec::new(),
+            topk_logprobs: Vec::new(),
         }
     }
 
@@ -136,8 +158,12 @@ impl Extractor {
             let rows: Vec<usize> = (0..chunk.len()).collect();
             self.ctx.append_features(&rows, &mut out.features)?;
             for r in rows {
+                let logits = self.ctx.logits(r)?;
                 // the first maximum, as llama.cpp's greedy sampler picks
-                out.next.push(crate::draft::lattice::argmax(self.ctx.logits(r)?) as i32);
+                out.next.push(crate::draft::lattice::argmax(logits) as i32);
+                if self.soft_k > 0 {
+                    top_logprobs(logits, self.soft_k, &mut out.topk_ids, &mut out.topk_logprobs);
+                }
             }
         }
         out.tokens.extend_from_slice(&tokens);
@@ -172,6 +198,12 @@ impl Dataset {
             ("offsets", TensorView::new(Dtype::I64, vec![s + 1], bytes(&self.offsets))?),
             ("answer_start", TensorView::new(Dtype::I64, vec![s], bytes(&self.answer_start))?),
         ];
+        let mut views = views;
+        if self.soft_k > 0 {
+            let k = self.soft_k;
+            views.push(("topk_ids", TensorView::new(Dtype::I32, vec![n, k], bytes(&self.topk_ids))?));
+            views.push(("topk_logprobs", TensorView::new(Dtype::F32, vec![n, k], bytes(&self.topk_logprobs))?));
+        }
         let layers = self.layers.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(",");
         let meta = HashMap::from([
             ("format".to_string(), DATASET_FORMAT.to_string()),
@@ -186,9 +218,38 @@ impl Dataset {
     }
 }
 
+/// Appends the `k` most likely tokens of `logits` (most likely first; ties by lower id, as
+/// the greedy label) and their log-probabilities under the softmax over all of `logits`.
+fn top_logprobs(logits: &[f32], k: usize, ids: &mut Vec<i32>, logprobs: &mut Vec<f32>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_z = max + logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    order.select_nth_unstable_by(k - 1, by_logit);
+    order.truncate(k);
+    order.sort_by(by_logit);
+    for i in order {
+        ids.push(i as i32);
+        logprobs.push(logits[i as usize] - log_z);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_logprobs_are_the_k_most_likely_in_order_with_their_log_probabilities() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let (mut ids, mut lp) = (Vec::new(), Vec::new());
+        top_logprobs(&logits, 3, &mut ids, &mut lp);
+        assert_eq!(ids, vec![1, 3, 2], "most likely first, ties by lower id");
+        let z: f32 = logits.iter().map(|x| x.exp()).sum();
+        for (&i, &l) in ids.iter().zip(&lp) {
+            assert!((l - (logits[i as usize].exp() / z).ln()).abs() < 1e-5, "{i}: {l}");
+        }
+        assert_eq!(ids[0], crate::draft::lattice::argmax(&logits) as i32, "the first is the greedy label");
+    }
 
     #[test]
     fn default_layers_follow_the_reference_spread_plus_one() {

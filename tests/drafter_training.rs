@@ -68,6 +68,7 @@ struct Trained {
     checkpoint: PathBuf,
     first_loss: f64,
     last_loss: f64,
+    log: String,
 }
 
 fn train(target: &Path, data: &Path, out: &Path, extra: &[&str]) -> Trained {
@@ -85,7 +86,7 @@ fn train(target: &Path, data: &Path, out: &Path, extra: &[&str]) -> Trained {
         .filter_map(|l| l.split_whitespace().nth(3).and_then(|x| x.parse().ok()))
         .collect();
     assert!(losses.len() >= 5, "too few loss lines in the training log:\n{log}");
-    Trained { checkpoint: out.to_path_buf(), first_loss: losses[0], last_loss: *losses.last().unwrap() }
+    Trained { checkpoint: out.to_path_buf(), first_loss: losses[0], last_loss: *losses.last().unwrap(), log }
 }
 
 /// llama.cpp's lattice for the block at `anchor` of sequence `seq` of the dataset, with
@@ -182,6 +183,27 @@ fn compare_with_reference(target: &Path, trained: &Trained, data: &Path, dir: &P
     );
 }
 
+/// The dataset's soft labels: per token the target's `k` most likely next tokens, the first one
+/// the greedy label, with log-probabilities that fall from one to the next and sum below 1.
+fn check_soft_labels(data: &Path, k: usize) {
+    let bytes = std::fs::read(data).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let i32s = |name: &str| -> Vec<i32> {
+        st.tensor(name).unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect()
+    };
+    let (next, ids) = (i32s("next"), i32s("topk_ids"));
+    assert_eq!(st.tensor("topk_ids").unwrap().shape(), [next.len(), k]);
+    assert_eq!(st.tensor("topk_logprobs").unwrap().shape(), [next.len(), k]);
+    let lp: Vec<f32> = st.tensor("topk_logprobs").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    for (i, &label) in next.iter().enumerate() {
+        let (row_ids, row_lp) = (&ids[i * k..(i + 1) * k], &lp[i * k..(i + 1) * k]);
+        assert_eq!(row_ids[0], label, "token {i}: the most likely soft label is not the greedy one");
+        assert!(row_lp.windows(2).all(|w| w[0] >= w[1]), "token {i}: {row_lp:?}");
+        let mass: f32 = row_lp.iter().map(|l| l.exp()).sum();
+        assert!(mass > 0.0 && mass <= 1.0 + 1e-4, "token {i}: top-{k} mass {mass}");
+    }
+}
+
 #[test]
 fn dataset_train_convert_and_run_a_drafter_on_the_synthetic_target() {
     let dir = common::scratch_dir("drafter-training");
@@ -192,11 +214,13 @@ fn dataset_train_convert_and_run_a_drafter_on_the_synthetic_target() {
     let data = dir.join("dataset.safetensors");
     let log = run(dflash2().args(["dataset", "-m"]).arg(&target).arg("--conversations").arg(&conv).arg("--out").arg(&data).args(["--layers", "1,2", "-t", "2"]));
     assert!(log.contains("28 conversations"), "{log}");
+    check_soft_labels(&data, 8);
 
     // DFlash 2: the shipped kind
     let d2 = train(&target, &data, &dir.join("ckpt-dflash2"), &["--top-k", "8", "--draft-vocab", "256"]);
     // (a random target's greedy tokens are hard to predict: a small but sure fall)
     assert!(d2.last_loss < d2.first_loss - 0.2, "DFlash 2 loss did not fall: {} -> {}", d2.first_loss, d2.last_loss);
+    assert!(d2.log.contains("soft labels: the target's top-8 law"), "the trainer did not use the soft labels:\n{}", d2.log);
     compare_with_reference(&target, &d2, &data, &dir, "dflash2");
 
     // DFlash 1 (no selector), full vocabulary

@@ -243,6 +243,7 @@ class Data:
         if isinstance(paths, str):
             paths = [paths]
         tokens, nxt, feats, seqs, self.meta = [], [], [], [], None
+        topk_ids, topk_lp = [], []
         self.offsets = [0]
         base = 0
         for path in paths:
@@ -257,6 +258,9 @@ class Data:
             tokens.append(t["tokens"].astype(np.int64))
             nxt.append(t["next"].astype(np.int64))
             feats.append(t["features"])
+            if "topk_ids" in t:  # soft labels (`dflash2 dataset --soft-k`)
+                topk_ids.append(t["topk_ids"].astype(np.int64))
+                topk_lp.append(t["topk_logprobs"])
             off, ans = t["offsets"], t["answer_start"]
             for i in range(len(ans)):
                 seqs.append((base + int(off[i]), base + int(off[i + 1]), base + int(ans[i])))
@@ -265,6 +269,13 @@ class Data:
         self.tokens = torch.from_numpy(np.concatenate(tokens))
         self.next = torch.from_numpy(np.concatenate(nxt))
         self.features = torch.from_numpy(np.concatenate(feats)) if len(feats) > 1 else torch.from_numpy(feats[0])
+        # soft labels only when every file has them with the same K (else hard labels alone)
+        same_k = len({a.shape[1] for a in topk_ids}) == 1
+        if len(topk_ids) == len(paths) and same_k:
+            self.topk_ids = torch.from_numpy(np.concatenate(topk_ids))
+            self.topk_lp = torch.from_numpy(np.concatenate(topk_lp))
+        else:
+            self.topk_ids = self.topk_lp = None
         # agree[i]: the target's greedy token after i-1 is token i, i.e. the text up to i is a
         # path the target itself would take. A label at block position k is the target's
         # own continuation only where every earlier block token agrees (target-written
@@ -287,8 +298,10 @@ class Data:
 
 # ----------------------------------------------------------------------------- steps
 
-def block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t, gamma, top_k):
-    """Losses of one sequence's blocks: (weighted token CE, selector CE, stats)."""
+def block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t, gamma, top_k, soft_weight=0.0):
+    """Losses of one sequence's blocks: (weighted token CE, selector CE, stats). With soft labels
+    and `soft_weight` > 0, the token loss mixes the hard CE with the cross-entropy to the target's
+    own top-K law (renormalised over its K most likely tokens): distillation, more signal per token."""
     s, e, _ = seq
     dev = tok_embd.device
     feats, toks, nxt = data.features[s:e].to(dev), data.tokens[s:e].to(dev), data.next[s:e].to(dev)
@@ -302,6 +315,14 @@ def block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t, 
     valid = (dl >= 0) & on_path
     ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), dl.clamp(min=0).reshape(-1), reduction="none").view_as(dl)
     tok_loss = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1e-6)
+    if soft_weight > 0 and data.topk_ids is not None:
+        rows = anchors[:, None] + k[None, :] - 1 + s  # label rows, as in block_labels
+        tk = t2d[data.topk_ids[rows.cpu()].to(dev)]  # [m, block-1, K] draft rows, -1 outside
+        p = torch.softmax(data.topk_lp[rows.cpu()].to(dev), -1) * (tk >= 0)
+        logq = F.log_softmax(lg, -1).gather(-1, tk.clamp(min=0))
+        soft = -(p * logq).sum(-1)
+        soft_loss = (soft * w * on_path).sum() / (w * on_path).sum().clamp(min=1e-6)
+        tok_loss = (1 - soft_weight) * tok_loss + soft_weight * soft_loss
     stats = {"acc1": ((lg[:, 0].argmax(-1) == dl[:, 0]) & valid[:, 0]).float().mean().item()}
     sel_loss = torch.zeros((), device=dev)
     if model.dflash2:
@@ -399,6 +420,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--gamma", type=float, default=0, help="position decay (default 7 for block 16, 4 for 8)")
+    ap.add_argument("--soft-weight", type=float, default=0.5,
+                    help="share of the distillation loss where the data has soft labels (0: hard labels only)")
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=100)
@@ -417,6 +440,8 @@ def main():
     tok_embd, head, rope_base, _ = load_target(args.target)
     n_vocab, n_embd_t = tok_embd.shape
     data = Data(args.data, args.val_fraction, args.seed, min_len=args.block + 2)
+    if data.topk_ids is not None and args.soft_weight > 0:
+        print(f"soft labels: the target's top-{data.topk_ids.shape[1]} law, weight {args.soft_weight}", file=sys.stderr)
     meta = data.meta
     if int(meta.get("n_embd", n_embd_t)) != n_embd_t:
         sys.exit(f"error: dataset n_embd {meta.get('n_embd')} != target n_embd {n_embd_t}: not read off this target")
@@ -545,7 +570,7 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         tok_loss, sel_loss, stats = block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t,
-                                                 gamma, top_k)
+                                                 gamma, top_k, args.soft_weight)
         loss = tok_loss + sel_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -31,6 +31,10 @@ pub struct DatasetArgs {
     pub max_len: usize,
     #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
     pub threads: i32,
+    /// Soft labels: the target's K most likely next tokens per position and their
+    /// log-probabilities, for a distillation loss (0: greedy labels only).
+    #[arg(long = "soft-k", default_value_t = 8)]
+    pub soft_k: usize,
 }
 
 pub fn run(args: &DatasetArgs) -> Result<()> {
@@ -42,7 +46,7 @@ pub fn run(args: &DatasetArgs) -> Result<()> {
     }
     let target = Arc::new(Model::load(&args.model, &ModelParams::default())?);
     let layers = args.layers.clone().unwrap_or_else(|| default_layers(target.n_layer(), args.n_features));
-    let mut ex = Extractor::new(target, mask, layers.clone(), args.max_len, args.threads)?;
+    let mut ex = Extractor::new(target, mask, layers.clone(), args.max_len, args.threads, args.soft_k)?;
     let mut data = ex.dataset();
     let text = std::fs::read_to_string(&args.conversations)
         .with_context(|| format!("reading {}", args.conversations.display()))?;
