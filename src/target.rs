@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::draft::lattice;
 use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
 
 /// Whether the target's weights are repacked: `Auto` probes and chooses.
@@ -150,7 +151,7 @@ pub fn probe(
                     check.max_abs_diff = check.max_abs_diff.max((x - y).abs());
                 }
             }
-            check.argmax_flips += usize::from(argmax(got) != argmax(want));
+            check.argmax_flips += usize::from(lattice::argmax(got) != lattice::argmax(want));
         }
         let stop = first_difference && !check.identical;
         checks.push(check);
@@ -161,10 +162,6 @@ pub fn probe(
     let repack = model.repacked();
     let single_ms = single_ms[single_ms.len() / 2];
     Ok(Probe { repack, checks, single_ms, ms: started.elapsed().as_secs_f64() * 1e3 })
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best }).0
 }
 
 /// `n` ordinary tokens of code-like text (what speculative decoding mostly verifies).

@@ -104,7 +104,8 @@ pub fn run(args: &AnswerArgs) -> Result<()> {
             let mut opts = GenerateOptions { n_predict: args.n_predict, select: SelectMode::None, ..Default::default() };
             if job.sample > 0 {
                 opts.sampling.temperature = args.temp;
-                opts.sampling.seed = args.seed.wrapping_add(job.sample as u64).wrapping_mul(0x9E37_79B9).wrapping_add(prompt.len() as u64);
+                // one seed per (prompt, sample): reruns and resumed runs write the same answers
+                opts.sampling.seed = sample_seed(args.seed, job.row["prompt"].as_str().unwrap_or_default(), job.sample);
             }
             if prompt.len() + 1 >= engine.n_ctx() {
                 tracing::warn!("skipping a prompt of {} tokens: over --ctx-size", prompt.len());
@@ -150,6 +151,15 @@ pub fn run(args: &AnswerArgs) -> Result<()> {
         args.parallel
     );
     Ok(())
+}
+
+/// The seed of sample `sample` of `prompt`: FNV-1a over both, from the base seed.
+fn sample_seed(base: u64, prompt: &str, sample: usize) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325 ^ base;
+    for b in prompt.bytes().chain(sample.to_le_bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    h
 }
 
 /// (prompt, sample) pairs already answered in `path` (none if it does not exist).
