@@ -136,3 +136,59 @@ fn layer_id_out_of_range() {
     assert_fails(&inspect(&path, Some(&dir.join("target.gguf"))), &["target layer id 7", "3 layers", "1..=2"]);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A mutation search over the header of a real drafter file: random byte flips, lengths and counts
+/// overwritten with extreme values, truncations. The reader and the pairing check must answer
+/// every variant with a value or an error naming the file, and never panic. (Deterministic: a
+/// failure reproduces with its seed and iteration; a longer search is `DFLASH2_MUTATIONS=N`.)
+#[test]
+fn mutated_headers_never_panic_the_reader_or_the_pairing_check() {
+    use rand::{Rng, SeedableRng};
+    let dir = models("mutate");
+    let (target, drafter) = (dir.join("target.gguf"), dir.join("drafter-dflash2.gguf"));
+    let original = std::fs::read(&drafter).unwrap();
+    let target_info = dflash2::gguf::read_model_info(&target).unwrap();
+    let n: usize = std::env::var("DFLASH2_MUTATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let file = dir.join("mutant.gguf");
+    let head = original.len().min(64 << 10);
+    let (mut errors, mut oks) = (0, 0);
+    for i in 0..n {
+        let mut bytes = original.clone();
+        for _ in 0..rng.gen_range(1..4) {
+            let head = head.min(bytes.len());
+            if head < 16 {
+                break;
+            }
+            match rng.gen_range(0..4) {
+                0 => bytes[rng.gen_range(0..head)] = rng.gen(),
+                1 => {
+                    // a length or count field overwritten with an extreme value
+                    let at = rng.gen_range(0..head - 8) & !3;
+                    let v: u64 = [0, 1, u64::MAX, u64::MAX / 2, 1 << 40, original.len() as u64, rng.gen()][rng.gen_range(0..7)];
+                    bytes[at..at + 8].copy_from_slice(&v.to_le_bytes());
+                }
+                2 => {
+                    let at = rng.gen_range(0..head - 4);
+                    bytes[at..at + 4].copy_from_slice(&rng.gen_range(0u32..64).to_le_bytes());
+                }
+                _ => bytes.truncate(rng.gen_range(0..bytes.len())),
+            }
+        }
+        std::fs::write(&file, &bytes).unwrap();
+        let outcome = std::panic::catch_unwind(|| {
+            dflash2::gguf::read_model_info(&file).map(|info| dflash2::gguf::check_pair(&target_info, &info).is_ok())
+        });
+        match outcome {
+            Err(_) => panic!("mutation {i} (seed 7) panicked the reader; the file is kept at {}", file.display()),
+            Ok(Ok(_)) => oks += 1,
+            Ok(Err(e)) => {
+                assert!(e.to_string().contains("mutant.gguf"), "mutation {i}: the error does not name the file: {e}");
+                errors += 1;
+            }
+        }
+    }
+    // the search reached both outcomes: it is not only feeding files the reader rejects at byte 0
+    assert!(errors > n / 10 && oks > 0, "{errors} errors, {oks} files read");
+    let _ = std::fs::remove_dir_all(&dir);
+}

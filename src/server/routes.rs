@@ -622,6 +622,48 @@ mod tests {
         assert!(e.body()["error"]["param"].is_null() && e.to_string().starts_with("malformed JSON"), "{e}");
     }
 
+    /// Mutated request bodies (bytes flipped, cut, numbers made extreme) never panic a parser, and
+    /// every refusal has an error body. (The bodies a client controls are these bytes.)
+    #[test]
+    fn mutated_bodies_never_panic_the_parsers() {
+        use rand::{Rng, SeedableRng};
+        let seeds = [
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 5, "temperature": 0.7, "stop": ["a"], "stream": true}"#,
+            r#"{"prompt": [1, 2, 3], "n_predict": -1, "top_p": 0.95, "min_p": 1e-3, "seed": -1, "return_tokens": true}"#,
+            r#"{"content": "The quick brown fox", "add_special": true, "with_pieces": true}"#,
+        ];
+        let extreme = ["1e308", "-1e308", "18446744073709551616", "-0", "NaN", "1e-400", "[]", "{}", "null", "\"\\u0000\""];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for i in 0..3000 {
+            let mut body = seeds[i % seeds.len()].as_bytes().to_vec();
+            for _ in 0..rng.gen_range(1..4) {
+                let at = rng.gen_range(0..body.len());
+                match rng.gen_range(0..3) {
+                    0 => body[at] = rng.gen(),
+                    1 => body.truncate(at),
+                    _ => {
+                        let e = extreme[rng.gen_range(0..extreme.len())].as_bytes();
+                        body.splice(at..at, e.iter().copied());
+                    }
+                }
+                if body.is_empty() {
+                    break;
+                }
+            }
+            let outcome = std::panic::catch_unwind(|| {
+                let errors = [
+                    parse_body::<ChatRequest>(&body).err(),
+                    parse_body::<CompletionRequest>(&body).err(),
+                    parse_body::<LlamaCompletionRequest>(&body).err(),
+                    parse_body::<SamplingFields>(&body).err(),
+                    parse_body::<TokenizeRequest>(&body).err(),
+                ];
+                errors.into_iter().flatten().all(|e| e.body()["error"]["message"].as_str().is_some_and(|m| !m.is_empty()))
+            });
+            assert!(outcome.is_ok_and(|ok| ok), "body {i} broke a parser: {}", String::from_utf8_lossy(&body));
+        }
+    }
+
     /// serde_json must be built without `arbitrary_precision` (a dependency can turn it on for the
     /// whole build, as gguf-rs did): with it, `1e-3` keeps its text instead of becoming a number.
     #[test]
