@@ -223,6 +223,13 @@ fn dataset_train_convert_and_run_a_drafter_on_the_synthetic_target() {
     assert!(d2.log.contains("soft labels: the target's top-8 law"), "the trainer did not use the soft labels:\n{}", d2.log);
     compare_with_reference(&target, &d2, &data, &dir, "dflash2");
 
+    // starting from the target's layers: norms, V/O and FFN are copied where the shapes fit
+    let init = train(&target, &data, &dir.join("ckpt-init"), &["--top-k", "8", "--draft-vocab", "256", "--init-from-target", "1"]);
+    let line = init.log.lines().find(|l| l.starts_with("initialised from target layers [1]")).unwrap_or_else(|| panic!("{}", init.log));
+    let copied: usize = line.split(": ").nth(1).and_then(|x| x.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
+    assert!(copied >= 2, "nothing but norms fit: {line}");
+    assert!(init.last_loss < init.first_loss, "{line}: loss {} -> {}", init.first_loss, init.last_loss);
+
     // DFlash 1 (no selector), full vocabulary
     let d1 = train(&target, &data, &dir.join("ckpt-dflash1"), &["--top-k", "0", "--draft-vocab", "0"]);
     assert!(d1.last_loss < d1.first_loss - 0.2, "DFlash 1 loss did not fall: {} -> {}", d1.first_loss, d1.last_loss);

@@ -60,6 +60,39 @@ def load_target(path):
     return embd, head, rope, n_layer
 
 
+def init_from_target(model, path, target_layers):
+    """Copy target layers' weights into the drafter's layers where the shapes fit: the two norms,
+    the V and O projections and the FFN. Q and K are left as they are (llama.cpp's GGUF stores a
+    llama target's Q/K rows permuted for its rope layout, which the drafter does not use)."""
+    import gguf
+
+    if len(target_layers) != len(model.layers):
+        sys.exit(f"error: --init-from-target names {len(target_layers)} layers for a {len(model.layers)}-layer drafter")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    pairs = {
+        "attn_norm": lambda l: l.input_layernorm.weight, "ffn_norm": lambda l: l.post_attention_layernorm.weight,
+        "attn_v": lambda l: l.self_attn.v_proj.weight, "attn_output": lambda l: l.self_attn.o_proj.weight,
+        "ffn_gate": lambda l: l.mlp.gate_proj.weight, "ffn_up": lambda l: l.mlp.up_proj.weight,
+        "ffn_down": lambda l: l.mlp.down_proj.weight,
+    }
+    copied, skipped = 0, []
+    for layer, il in zip(model.layers, target_layers):
+        for name, param in pairs.items():
+            t = tensors.get(f"blk.{il}.{name}.weight")
+            if t is None:
+                skipped.append(f"blk.{il}.{name} (absent)")
+                continue
+            w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+            dst = param(layer)
+            if tuple(w.shape) != tuple(dst.shape):
+                skipped.append(f"blk.{il}.{name} {tuple(w.shape)} vs {tuple(dst.shape)}")
+                continue
+            dst.copy_(w)
+            copied += 1
+    print(f"initialised from target layers {target_layers}: {copied} tensors copied"
+          + (f", skipped {', '.join(skipped)}" if skipped else ""), file=sys.stderr)
+
+
 # ----------------------------------------------------------------------------- model
 
 class RMSNorm(nn.Module):
@@ -420,6 +453,10 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--gamma", type=float, default=0, help="position decay (default 7 for block 16, 4 for 8)")
+    ap.add_argument("--init-from-target", default="",
+                    help="target layers (comma-separated, one per drafter layer) to start the drafter's layers from: "
+                         "their norms, V/O projections and FFN where the shapes fit (Q/K stay random: the target's "
+                         "rope layout is not the drafter's); a fresh run only")
     ap.add_argument("--soft-weight", type=float, default=0.5,
                     help="share of the distillation loss where the data has soft labels (0: hard labels only)")
     ap.add_argument("--val-fraction", type=float, default=0.05)
@@ -507,6 +544,8 @@ def main():
     with torch.no_grad():
         if e == head.shape[1]:
             model.lm_head.weight.copy_(head[d2t])  # start from the target's own head rows
+        if args.init_from_target and st is None:
+            init_from_target(model, args.target, [int(x) for x in args.init_from_target.split(",")])
     model.to(device)
     tok_embd, t2d, d2t = tok_embd.to(device), t2d.to(device), d2t.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
