@@ -18,8 +18,7 @@ use crate::draft::lattice;
 use crate::llama::{Batch, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
 
 /// Whether the target's weights are repacked: `Auto` probes and chooses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Repack {
     /// Repack when the probe shows batches stay bit-identical, else not.
     #[default]
