@@ -12,7 +12,7 @@ pub enum ApiError {
     InvalidRequest { message: String, param: Option<String> },
     #[error("the prompt has {n_prompt} tokens but the context holds {n_ctx}")]
     ContextExceeded { n_prompt: usize, n_ctx: usize },
-    #[error("missing or invalid API key (send `Authorization: Bearer KEY`)")]
+    #[error("missing or invalid API key (send `Authorization: Bearer KEY` or `X-Api-Key: KEY`)")]
     Unauthorized,
     #[error("no endpoint {0}")]
     NotFound(String),
