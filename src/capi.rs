@@ -75,6 +75,7 @@ pub struct CEngineParams {
     pub select: i32,
     pub tree_budget: u32,
     pub sampling: CSampling,
+    pub lookup_ngram: u32,
 }
 
 /// `dflash2_chat_message`.
@@ -372,6 +373,13 @@ fn engine_settings(p: &CEngineParams) -> Result<(EngineConfig, GenerateOptions)>
     if p.tree_budget == 0 {
         return err(Status::InvalidArg, "params->tree_budget is 0");
     }
+    let max_ngram = crate::draft::lookup::MAX_NGRAM as u32;
+    if p.lookup_ngram > max_ngram {
+        return err(
+            Status::InvalidArg,
+            format!("params->lookup_ngram is {}, expected 0 (no look-up) or 1..={max_ngram}", p.lookup_ngram),
+        );
+    }
     let mut cfg = EngineConfig::new(PathBuf::from(target), drafter);
     cfg.n_ctx = p.n_ctx as usize;
     cfg.n_threads = p.n_threads;
@@ -380,6 +388,8 @@ fn engine_settings(p: &CEngineParams) -> Result<(EngineConfig, GenerateOptions)>
         select: select_mode(p.select)?,
         block: p.block_size as usize,
         tree_budget: p.tree_budget as usize,
+        lookup: p.lookup_ngram > 0,
+        lookup_ngram: if p.lookup_ngram > 0 { p.lookup_ngram as usize } else { crate::engine::DEFAULT_LOOKUP_NGRAM },
         sampling: sampling_params(&p.sampling)?,
         ..GenerateOptions::default()
     };
@@ -453,6 +463,7 @@ pub unsafe extern "C" fn dflash2_engine_params_init(params: *mut CEngineParams) 
                 repeat_last_n: s.repeat_last_n,
                 seed: s.seed,
             },
+            lookup_ngram: 0,
         };
         Ok(())
     })
@@ -572,7 +583,7 @@ pub unsafe extern "C" fn dflash2_session_new(engine: *const EngineHandle, out: *
         let engine = Engine::from_models(e.target.clone(), e.drafter.clone(), &e.config)?;
         let mut opts = e.opts.clone();
         if opts.block == 0 {
-            opts.block = engine.drafter().map_or(1, |d| d.trained_block());
+            opts.block = engine.drafter().map_or(crate::engine::LOOKUP_BLOCK, |d| d.trained_block());
         }
         let state = SessionState { engine, opts, run: None, emitted: 0, final_stats: None };
         *out = Box::into_raw(Box::new(SessionHandle { state: Mutex::new(state) }));

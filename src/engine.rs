@@ -6,8 +6,9 @@
 //! one token per target step: the baseline every speculative mode must reproduce.
 use crate::draft::cost::CostModel;
 use crate::draft::drafter::Drafter;
+use crate::draft::lookup::{self, NgramIndex};
 use crate::draft::select::{proposal, sample_draft, BestPath, Greedy, Selector, TreeBestFirst};
-use crate::draft::{lattice, DraftTree};
+use crate::draft::{lattice, DraftTree, Origin};
 use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
 pub use crate::target::Repack;
 use crate::sampling::{Distribution, Sampler, SamplingParams};
@@ -125,6 +126,11 @@ pub struct GenerateOptions {
     pub adaptive: bool,
     /// Node budget of a token tree (`SelectMode::Tree`).
     pub tree_budget: usize,
+    /// Also draft from the context: continuations of earlier occurrences of its last
+    /// tokens (`draft::lookup`), beside the drafter's or, without a drafter, alone.
+    pub lookup: bool,
+    /// Longest suffix the look-up matches, in tokens (1..=`lookup::MAX_NGRAM`).
+    pub lookup_ngram: usize,
     pub stop: Vec<String>,
     pub sampling: SamplingParams,
     /// How drafts are checked at temperature > 0. Only tests change it.
@@ -152,12 +158,19 @@ impl Default for GenerateOptions {
             block: 16,
             adaptive: false,
             tree_budget: 32,
+            lookup: false,
+            lookup_ngram: DEFAULT_LOOKUP_NGRAM,
             stop: Vec::new(),
             sampling: SamplingParams::default(),
             verifier: Verifier::Rejection,
         }
     }
 }
+
+/// Longest suffix the look-up matches unless asked otherwise.
+pub const DEFAULT_LOOKUP_NGRAM: usize = 4;
+/// Block size (anchor included) of look-up drafting without a drafter, unless asked otherwise.
+pub const LOOKUP_BLOCK: usize = 16;
 
 /// Most leaves a verify tree may have: each leaf is one llama.cpp sequence.
 pub const MAX_TREE_LEAVES: usize = 64;
@@ -205,11 +218,26 @@ pub struct Stats {
     /// oracle picking among the candidates would have.
     pub rejections: usize,
     pub rejected_in_candidates: usize,
+    /// Per draft source: what the DFlash drafter and the context look-up proposed and
+    /// the target took (a node both proposed counts for both).
+    pub from_drafter: SourceStats,
+    pub from_lookup: SourceStats,
     pub prefill_ms: f64,
     pub draft_ms: f64,
     pub verify_ms: f64,
     pub host_ms: f64,
     pub total_ms: f64,
+}
+
+/// What one draft source proposed and what the target took.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SourceStats {
+    /// Cycles whose verified draft held tokens of this source.
+    pub cycles: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Time spent drafting (the drafter's calls; the look-up's index and queries).
+    pub ms: f64,
 }
 
 impl Stats {
@@ -284,6 +312,11 @@ struct Slot {
     /// steps cost only a copy and the drafter gets one batched decode.
     pending: Vec<f32>,
     pending_pos0: usize,
+    /// The look-up's index of this conversation, brought up to date when a run with
+    /// look-up drafts (so it costs nothing otherwise), and how often the target took
+    /// its proposals here.
+    lookup: NgramIndex,
+    lookup_calibration: lookup::Calibration,
 }
 
 /// What one run does in a cycle.
@@ -296,7 +329,11 @@ struct Plan {
     pos0: usize,
     /// Drafted tokens allowed this cycle (0: a plain step).
     max_draft: usize,
+    /// Whether the drafter drafts for this plan this cycle.
+    use_drafter: bool,
     lattice: Option<lattice::Lattice>,
+    /// The context look-up's proposal.
+    lookup: Option<lookup::Proposal>,
     tree: DraftTree,
     gains: Vec<f32>,
     /// First verify-batch row of this run (its anchor).
@@ -367,7 +404,8 @@ impl Engine {
         // differently when a sequence's cells are out of order, and the output must stay
         // bit-identical to decoding that conversation alone.
         let unified = n_slots == 1;
-        let n_seq_max = if unified && drafter.is_some() { 1 + MAX_TREE_LEAVES } else { n_slots };
+        // (token trees come from the drafter or the look-up, which any run may turn on)
+        let n_seq_max = if unified { 1 + MAX_TREE_LEAVES } else { n_slots };
         let params = ContextParams {
             n_ctx: cfg.n_ctx * n_slots,
             n_batch,
@@ -462,7 +500,14 @@ impl Engine {
         if prompt.len() >= self.n_ctx() {
             return Err(EngineError::PromptTooLong { n_prompt: prompt.len(), n_ctx: self.n_ctx() });
         }
-        let speculative = opts.select != SelectMode::None && self.drafter.is_some();
+        if opts.lookup && !(1..=lookup::MAX_NGRAM).contains(&opts.lookup_ngram) {
+            return Err(EngineError::Config(format!(
+                "lookup_ngram must be 1..={}, got {}",
+                lookup::MAX_NGRAM,
+                opts.lookup_ngram
+            )));
+        }
+        let speculative = opts.select != SelectMode::None && (self.drafter.is_some() || opts.lookup);
         let mut run = Run {
             slot,
             opts: opts.clone(),
@@ -540,6 +585,9 @@ impl Engine {
             drafted_any |= p.lattice.is_some();
             let s = &mut run.stats;
             s.draft_ms += draft_ms;
+            if p.use_drafter {
+                s.from_drafter.ms += draft_ms;
+            }
             s.verify_ms += verify_ms;
             s.host_ms += host_ms + ms_since(t) - redecode_ms;
             run.next = *committed.last().expect("a cycle commits at least one token");
@@ -571,7 +619,20 @@ impl Engine {
             let remaining = run.opts.n_predict - run.out.tokens.len();
             let room = n_ctx - pos0 - 1;
             let mut max_draft = run.opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
-            if !run.speculative || (max_draft > 0 && run.opts.adaptive && !self.cost.should_draft()) {
+            if !run.speculative {
+                max_draft = 0;
+            }
+            let lookup = if max_draft > 0 && run.opts.lookup { self.look_up(run, max_draft) } else { None };
+            // A confident look-up saves the drafter call: it is expected to be taken at
+            // least as far as the drafter's drafts have been lately.
+            let lookup_expected = lookup.as_ref().map_or(0.0, |l| {
+                self.cost.expected_accepted(&l.path(&self.slots[run.slot].lookup_calibration))
+            });
+            let use_drafter = max_draft > 0
+                && self.drafter.is_some()
+                && !(lookup_expected > 0.0 && lookup_expected >= self.cost.drafter_expected())
+                && (!run.opts.adaptive || self.cost.should_draft());
+            if !use_drafter && lookup.is_none() {
                 max_draft = 0;
             }
             plans.push(Plan {
@@ -580,6 +641,8 @@ impl Engine {
                 last: run.next,
                 pos0,
                 max_draft,
+                use_drafter,
+                lookup,
                 lattice: None,
                 tree: DraftTree::default(),
                 gains: Vec::new(),
@@ -594,11 +657,11 @@ impl Engine {
     /// the `upstream` plans, one decode each).
     fn draft(&mut self, plans: &mut [Plan], runs: &mut [&mut Run]) -> Result<()> {
         let t0 = Instant::now();
-        for p in plans.iter_mut().filter(|p| p.max_draft > 0) {
+        for p in plans.iter_mut().filter(|p| p.use_drafter) {
             self.flush_features(p.slot)?;
         }
         for p in plans.iter_mut() {
-            if p.max_draft == 0 || runs[p.run].opts.select != SelectMode::Upstream {
+            if !p.use_drafter || runs[p.run].opts.select != SelectMode::Upstream {
                 continue;
             }
             let drafter = self.drafter.as_mut().expect("speculative runs need a drafter");
@@ -608,7 +671,7 @@ impl Engine {
             runs[p.run].stats.n_draft_calls += 1;
         }
         let drafting: Vec<usize> = (0..plans.len())
-            .filter(|&i| plans[i].max_draft > 0 && runs[plans[i].run].opts.select != SelectMode::Upstream)
+            .filter(|&i| plans[i].use_drafter && runs[plans[i].run].opts.select != SelectMode::Upstream)
             .collect();
         if drafting.is_empty() {
             return Ok(());
@@ -629,34 +692,92 @@ impl Engine {
         Ok(())
     }
 
-    /// Pick the draft of one plan from its lattice (and its length, when adaptive).
+    /// The look-up's proposal for `run`'s next cycle, its index brought up to date first.
+    fn look_up(&mut self, run: &mut Run, max_len: usize) -> Option<lookup::Proposal> {
+        let t = Instant::now();
+        let slot = &mut self.slots[run.slot];
+        slot.lookup.sync(&slot.cached, run.next);
+        let proposal = slot.lookup.propose(run.opts.lookup_ngram, max_len);
+        run.stats.from_lookup.ms += ms_since(t);
+        proposal
+    }
+
+    /// Pick the draft of one plan from its sources (the drafter's lattice, the look-up's
+    /// trie, or llama.cpp's own draft), and its length when adaptive.
     fn select(&self, p: &mut Plan, run: &mut Run, trees: bool) {
-        let Some(lattice) = &p.lattice else { return };
-        let n = lattice.n_pos;
-        let mut tree = if run.sampler.is_greedy() {
-            match run.opts.select {
-                SelectMode::None | SelectMode::Greedy | SelectMode::Upstream => Greedy.select(lattice, n),
-                SelectMode::BestPath => BestPath.select(lattice, n),
-                SelectMode::Tree if trees => TreeBestFirst.select(lattice, run.opts.tree_budget),
-                SelectMode::Tree => BestPath.select(lattice, n),
+        if !p.tree.is_empty() {
+            return; // llama.cpp's driver drafted it: verified as it is
+        }
+        let branch = run.opts.select == SelectMode::Tree && trees;
+        let greedy = run.sampler.is_greedy();
+        let calibration = &self.slots[p.slot].lookup_calibration;
+        // At T > 0 a look-up draft is a chain: its tokens are one-hot proposals, and
+        // siblings in a rejection-sampled tree must share one proposal law.
+        let lookup = p.lookup.as_ref().map(|l| {
+            if branch && greedy {
+                l.tree(calibration, run.opts.tree_budget)
+            } else {
+                l.path(calibration)
             }
-        } else {
-            // Rejection sampling needs drafts drawn from q.
-            let temperature = run.sampler.params().temperature;
-            let branch = run.opts.select == SelectMode::Tree && trees;
-            let budget = if branch { run.opts.tree_budget } else { n };
-            sample_draft(lattice, budget, temperature, branch, run.sampler.rng())
+        });
+        let mut tree = match (&p.lattice, lookup) {
+            (None, None) => return,
+            (None, Some(lookup)) => lookup,
+            (Some(lattice), lookup) if greedy => {
+                let n = lattice.n_pos;
+                let drafted = match run.opts.select {
+                    SelectMode::None | SelectMode::Greedy | SelectMode::Upstream => Greedy.select(lattice, n),
+                    SelectMode::BestPath => BestPath.select(lattice, n),
+                    SelectMode::Tree if trees => TreeBestFirst.select(lattice, run.opts.tree_budget),
+                    SelectMode::Tree => BestPath.select(lattice, n),
+                };
+                match lookup {
+                    None => drafted,
+                    Some(lookup) if branch => drafted.merge(&lookup, run.opts.tree_budget),
+                    Some(lookup) => self.likelier(drafted, lookup, run.opts.adaptive),
+                }
+            }
+            (Some(lattice), lookup) => {
+                // Rejection sampling needs the drafter's draft drawn from q whatever else
+                // happens, so the source is chosen before anything is drawn: by the
+                // expected acceptance of the drafter's greedy path.
+                let drafter_expected = self.cost.expected_accepted(&Greedy.select(lattice, lattice.n_pos));
+                match lookup {
+                    Some(lookup) if self.cost.expected_accepted(&lookup) >= drafter_expected => lookup,
+                    _ => {
+                        let temperature = run.sampler.params().temperature;
+                        let budget = if branch { run.opts.tree_budget } else { lattice.n_pos };
+                        sample_draft(lattice, budget, temperature, branch, run.sampler.rng())
+                    }
+                }
+            }
         };
-        let gains = tree_gains(&tree);
         if run.opts.adaptive {
             // Prefixes of best-first order are valid drafts; 0 means a plain step.
-            tree.nodes.truncate(self.cost.choose_len(&gains, &tree));
+            tree.nodes.truncate(self.cost.choose_len(&tree.gains(), &tree));
         }
         if !tree.is_chain() {
             tree = tree.depth_first();
         }
-        p.gains = tree_gains(&tree);
+        p.gains = tree.gains();
         p.tree = tree;
+    }
+
+    /// Of two paths, the one expected to commit more: per verify time when the length is
+    /// adaptive, in tokens otherwise.
+    fn likelier(&self, a: DraftTree, b: DraftTree, adaptive: bool) -> DraftTree {
+        let score = |t: &DraftTree| {
+            if adaptive {
+                self.cost.best_len(&t.gains(), t).1
+            } else {
+                self.cost.expected_accepted(t)
+            }
+        };
+        if score(&b) > score(&a) {
+            b
+        } else {
+            a
+        }
     }
 
     /// Lay out every plan's `[last, nodes...]` for one verify decode. A path lives in its
@@ -710,10 +831,12 @@ impl Engine {
                 .tree
                 .nodes
                 .iter()
-                .map(|n| match &p.lattice {
-                    Some(l) => proposal(l, n.depth - 1, n.parent.map_or(0, |i| p.tree.nodes[i].cand), temperature),
-                    // llama.cpp's driver drafts greedily: q puts all its mass on the draft.
-                    None => vec![(n.token, 1.0)],
+                .map(|n| match (&p.lattice, n.origin) {
+                    (Some(l), Origin::Drafter) => {
+                        proposal(l, n.depth - 1, n.parent.map_or(0, |i| p.tree.nodes[i].cand), temperature)
+                    }
+                    // A look-up draft, or llama.cpp's driver's (greedy): q is one-hot on the draft.
+                    _ => vec![(n.token, 1.0)],
                 })
                 .collect();
             let (history, cached, target) = (&mut self.history, &self.slots[p.slot].cached, &self.target);
@@ -757,20 +880,58 @@ impl Engine {
         slot.cached.extend_from_slice(&committed);
         committed.push(next);
         run.stats.record_cycle(p.tree.len(), n_acc);
-        if p.lattice.is_some() && !p.tree.is_empty() {
+        self.record_sources(p, &path, run);
+        let drafter_only = p.lattice.is_some() && p.tree.nodes.iter().all(|n| n.origin == Origin::Drafter);
+        if drafter_only && !p.tree.is_empty() {
             run.stats.predicted_accepted += p.gains.iter().map(|&g| g as f64).sum::<f64>();
         }
-        if let (Some(l), true) = (&p.lattice, n_acc < p.tree.len()) {
+        if let (Some(l), true) = (p.lattice.as_ref().filter(|_| drafter_only), n_acc < p.tree.len()) {
             run.stats.rejections += 1;
             let depth = n_acc; // the position the target decided differently
             if depth < l.n_pos && (0..l.k).any(|c| l.id(depth, c) == next) {
                 run.stats.rejected_in_candidates += 1;
             }
         }
-        if !p.tree.is_empty() && p.tree.is_chain() {
+        if drafter_only && !p.tree.is_empty() && p.tree.is_chain() {
             self.cost.record_acceptance(&p.gains, n_acc);
         }
         Ok(committed)
+    }
+
+    /// Count what each source proposed and the target took in `path`, and calibrate the
+    /// look-up: of its tokens the target tested (their parent taken), how many it took.
+    fn record_sources(&mut self, p: &Plan, path: &[usize], run: &mut Run) {
+        let tree = &p.tree;
+        let mut taken = vec![false; tree.len()];
+        path.iter().for_each(|&i| taken[i] = true);
+        let (mut drafter, mut lookup) = ([0usize; 2], [0usize; 2]);
+        for (n, &t) in tree.nodes.iter().zip(&taken) {
+            if n.origin.from_drafter() {
+                drafter[0] += 1;
+                drafter[1] += t as usize;
+            }
+            if n.origin.from_lookup() {
+                lookup[0] += 1;
+                lookup[1] += t as usize;
+            }
+        }
+        for (stats, [drafted, accepted]) in [(&mut run.stats.from_drafter, drafter), (&mut run.stats.from_lookup, lookup)] {
+            stats.cycles += (drafted > 0) as usize;
+            stats.drafted += drafted;
+            stats.accepted += accepted;
+        }
+        if p.lattice.is_some() {
+            self.cost.record_drafter_accepted(drafter[1]);
+        }
+        if let Some(proposal) = &p.lookup {
+            let stopped_at = path.last().copied();
+            let rejected_lookup_child = tree.children(stopped_at).any(|c| tree.nodes[c].origin.from_lookup());
+            self.slots[p.slot].lookup_calibration.record(
+                proposal.match_len,
+                lookup[1] + rejected_lookup_child as usize,
+                lookup[1],
+            );
+        }
     }
 
     /// Greedy verification: follow the target's argmax down the plan's draft.
@@ -958,6 +1119,10 @@ impl Engine {
                 s.pending.truncate(queued_keep);
             }
             s.cached.truncate(keep);
+            if keep == 0 {
+                // a new conversation: what the target took of the old one's look-ups says little
+                s.lookup_calibration = lookup::Calibration::default();
+            }
         }
         Ok(())
     }
@@ -999,17 +1164,6 @@ impl Engine {
         });
         ((self.target.seq_pos_max(seq) + 1) as usize, drafter)
     }
-}
-
-/// What each node adds to the expected accepted length: its path probability (the
-/// product of the drafter's transition probabilities from the anchor down to it).
-fn tree_gains(tree: &DraftTree) -> Vec<f32> {
-    let mut gains: Vec<f32> = Vec::with_capacity(tree.len());
-    for n in &tree.nodes {
-        let parent = n.parent.map_or(1.0, |p| gains[p]);
-        gains.push(parent * n.q);
-    }
-    gains
 }
 
 /// The history a verify row's distribution depends on: the cache, `last`, and the

@@ -4,7 +4,7 @@
 mod common;
 
 use dflash2::capi::*;
-use dflash2::engine::{Engine, EngineConfig, GenerateOptions};
+use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -102,6 +102,7 @@ fn header_layouts_and_constants_match_the_library() {
     put("offsetof(dflash2_engine_params, select)", offset_of!(CEngineParams, select));
     put("offsetof(dflash2_engine_params, tree_budget)", offset_of!(CEngineParams, tree_budget));
     put("offsetof(dflash2_engine_params, sampling)", offset_of!(CEngineParams, sampling));
+    put("offsetof(dflash2_engine_params, lookup_ngram)", offset_of!(CEngineParams, lookup_ngram));
     put("sizeof(dflash2_chat_message)", size_of::<CChatMessage>());
     put("offsetof(dflash2_chat_message, content)", offset_of!(CChatMessage, content));
     put("sizeof(dflash2_stats)", size_of::<CStats>());
@@ -475,6 +476,33 @@ fn sessions_reproduce_the_engine_step_by_step_and_streamed() {
     unsafe { dflash2_session_free(a) };
 }
 
+/// `lookup_ngram` > 0 without a drafter: the session drafts from its own context (the prompt
+/// repeats itself; this random model rarely follows it) and still gives plain decoding's tokens.
+#[test]
+fn a_lookup_session_without_a_drafter_reproduces_plain_decoding() {
+    let t = cstring(&model("target.gguf"));
+    let mut p = params(&t, None);
+    p.lookup_ngram = 4;
+    let engine = new_engine(&p).unwrap();
+    let mut cfg = EngineConfig::new(model("target.gguf"), None);
+    cfg.n_ctx = N_CTX as usize;
+    let mut plain = Engine::load(&cfg).unwrap();
+    let prompt = plain.model().tokenize("one two three one two three one two three one two", true, false).unwrap();
+    let n_predict = 40;
+    let opts = GenerateOptions { n_predict, select: SelectMode::None, ..GenerateOptions::default() };
+    let expected = plain.generate(&prompt, &opts, |_| true).unwrap();
+
+    let mut s = null_mut();
+    ok(unsafe { dflash2_session_new(engine, &mut s) });
+    ok(unsafe { dflash2_session_feed(s, prompt.as_ptr(), prompt.len(), n_predict as u32) });
+    let (tokens, _) = step_all(s, 64);
+    assert_eq!(tokens, expected.tokens);
+    let st = stats(s);
+    assert!(st.n_drafted > 0, "the look-up drafted nothing: {st:?}");
+    unsafe { dflash2_session_free(s) };
+    unsafe { dflash2_engine_free(engine) };
+}
+
 #[test]
 fn tokenize_detokenize_and_chat_template_round_trip() {
     let fx = Fixture::new();
@@ -545,6 +573,7 @@ fn every_call_rejects_bad_arguments_with_a_code_and_a_message() {
         (Box::new(|p| p.block_size = MAX_BLOCK + 1), Status::InvalidArg, "block_size is 65"),
         (Box::new(|p| p.select = 9), Status::InvalidArg, "select is 9"),
         (Box::new(|p| p.tree_budget = 0), Status::InvalidArg, "tree_budget is 0"),
+        (Box::new(|p| p.lookup_ngram = 9), Status::InvalidArg, "lookup_ngram is 9"),
         (Box::new(|p| p.sampling.temperature = f32::NAN), Status::InvalidArg, "sampling.temperature is NaN"),
         (Box::new(|p| p.sampling.repeat_penalty = 0.0), Status::InvalidArg, "sampling.repeat_penalty is 0"),
     ];

@@ -75,7 +75,17 @@ fn speculative_modes_need_a_drafter_and_plain_is_the_default_without_one() {
     let target = path("target.gguf");
     let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--select", "greedy"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a drafter"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a drafter (-d DRAFTER.gguf) or --lookup"));
+    // The look-up drafts without a drafter; llama.cpp's driver cannot; the n-gram has bounds.
+    let out = dflash2(&["generate", "-m", &target, "-p", "a b a b a b", "-n", "8", "--lookup", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((json["select"].as_str(), json["lookup"].as_u64()), (Some("greedy"), Some(4)), "{json}");
+    assert!(json["from_lookup"]["drafted"].is_u64() && json["from_drafter"]["drafted"] == 0, "{json}");
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--lookup", "--select", "upstream"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--select upstream needs a drafter"));
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--lookup", "--lookup-ngram", "9"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--lookup-ngram"));
     // Without --select and without a drafter, decoding is plain, as in llama.cpp.
     let out = dflash2(&["generate", "-m", &target, "-p", "hi", "-n", "4", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

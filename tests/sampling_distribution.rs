@@ -62,31 +62,50 @@ fn sample_runs_counting_side_branches(
     temp: f32,
     verifier: Verifier,
 ) -> (Vec<Vec<Token>>, usize) {
+    let select = if speculative { select } else { SelectMode::None };
+    let (samples, stats) = sample(f, runs, speculative, select, false, temp, verifier);
+    (samples, stats.redecoded)
+}
+
+/// Tokens at positions 1..=N_TOKENS over `runs` seeds (block 4, trees of 6 nodes), with the
+/// drafter or without, with the context look-up or without; and the summed statistics.
+fn sample(
+    f: &Fixture,
+    runs: u64,
+    with_drafter: bool,
+    select: SelectMode,
+    lookup: bool,
+    temp: f32,
+    verifier: Verifier,
+) -> (Vec<Vec<Token>>, dflash2::engine::Stats) {
     let mut cfg = EngineConfig::new(PathBuf::new(), None);
     cfg.n_ctx = 256;
     cfg.n_threads = 2;
-    let drafter = speculative.then(|| f.drafter.clone());
+    let drafter = with_drafter.then(|| f.drafter.clone());
     let mut e = Engine::from_models(f.target.clone(), drafter, &cfg).unwrap();
-    let mut side_branch_tokens = 0;
+    let mut total = dflash2::engine::Stats::default();
     let samples = (0..runs)
         .map(|seed| {
             let opts = GenerateOptions {
                 n_predict: N_TOKENS,
-                select: if speculative { select } else { SelectMode::None },
+                select,
                 block: 4,
                 tree_budget: 6,
+                lookup,
                 sampling: SamplingParams { temperature: temp, top_k: 0, top_p: 0.9, min_p: 0.0, seed, ..Default::default() },
                 verifier,
                 ..Default::default()
             };
             let generation = e.generate(&f.prompt, &opts, |_| true).unwrap();
-            side_branch_tokens += generation.stats.redecoded;
+            total.redecoded += generation.stats.redecoded;
+            total.from_lookup.drafted += generation.stats.from_lookup.drafted;
+            total.from_lookup.accepted += generation.stats.from_lookup.accepted;
             let mut tokens = generation.tokens;
             tokens.resize(N_TOKENS, -1);
             tokens
         })
         .collect();
-    (samples, side_branch_tokens)
+    (samples, total)
 }
 
 /// Two-sample chi-square statistic and degrees of freedom for the token at position
@@ -187,5 +206,29 @@ fn smollm2_chains_and_trees_sample_the_target_law() {
         if select == SelectMode::Tree {
             assert!(side_branch_tokens > 50, "only {side_branch_tokens} side-branch tokens accepted: trees went untested");
         }
+    }
+}
+
+/// Look-up drafts are one-hot proposals verified by the same rejection sampling: on a request
+/// to repeat a list, where the look-up proposes the list's next items and is often taken, alone
+/// and beside the drafter (chains and trees, where the look-up's chain may replace the tree),
+/// the output still follows the target's law.
+#[test]
+fn smollm2_lookup_samples_the_target_law() {
+    let f = smollm2_fixture("Here is a list: apple, banana, cherry, grape, lemon, mango, peach. Write the list again.");
+    let runs = 1200;
+    let (plain, _) = sample(&f, runs, false, SelectMode::None, false, 1.0, Verifier::Rejection);
+    let distinct: std::collections::HashSet<_> = plain.iter().map(|r| r[0]).collect();
+    assert!(distinct.len() >= 3, "the target is nearly deterministic, the test would be weak");
+    for (with_drafter, select) in [(false, SelectMode::Greedy), (true, SelectMode::Tree)] {
+        let (spec, stats) = sample(&f, runs, with_drafter, select, true, 1.0, Verifier::Rejection);
+        if let Err(e) = same_distribution(&plain, &spec) {
+            panic!("look-up, drafter {with_drafter}, {select:?}: speculative sampling differs from plain sampling: {e}");
+        }
+        assert!(
+            stats.from_lookup.accepted > 150,
+            "drafter {with_drafter}, {select:?}: only {} look-up tokens taken: the look-up went untested",
+            stats.from_lookup.accepted
+        );
     }
 }

@@ -457,7 +457,8 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
     };
     let long_prompt = "word ".repeat(600);
     // (what, route, body, status, error code, the field the error must name)
-    let cases: Vec<(&str, &str, String, u16, &str, Option<&str>)> = vec![
+    type Case<'a> = (&'a str, &'a str, String, u16, &'a str, Option<&'a str>);
+    let cases: Vec<Case> = vec![
         ("malformed JSON", "/v1/chat/completions", "{\"messages\": [".into(), 400, "invalid_request", None),
         ("not an object", "/v1/chat/completions", "[1, 2]".into(), 400, "invalid_request", None),
         ("trailing garbage", "/v1/completions", r#"{"prompt": "hi"} x"#.into(), 400, "invalid_request", None),
@@ -575,6 +576,15 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             None,
         ),
         ("tokenize without content", "/tokenize", "{}".into(), 400, "invalid_request", None),
+        (
+            "look-up n-gram out of range",
+            "/v1/chat/completions",
+            user(json!({ "lookup": true, "lookup_ngram": 0 })),
+            400,
+            "invalid_request",
+            Some("lookup_ngram"),
+        ),
+        ("look-up of the wrong type", "/completion", r#"{"prompt": "hi", "lookup": "yes"}"#.into(), 400, "invalid_request", Some("lookup")),
         ("unknown endpoint", "/v1/embeddingz", "{}".into(), 404, "not_found", None),
         ("embeddings are not offered", "/v1/embeddings", r#"{"input": "hi"}"#.into(), 501, "not_supported", None),
     ];
@@ -591,6 +601,15 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         assert!(v["error"]["type"].is_string(), "{what}: {v}");
         server.assert_healthy(what);
     }
+
+    // Look-up drafting, asked for per request on a server without a drafter: it drafts from
+    // the context (the prompt repeats itself), and the answer is plain decoding's.
+    let repeat = "one two three four five one two three four five one two three four five one two";
+    let plain = server.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40 }));
+    let lookup = server.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40, "lookup": true }));
+    assert_eq!(lookup["content"], plain["content"], "look-up changed the answer");
+    assert_eq!(plain["timings"]["draft_n"], 0, "{plain}");
+    assert!(lookup["timings"]["draft_n"].as_u64().unwrap() > 0, "the look-up drafted nothing: {lookup}");
 
     // --alias names the model: every name is listed, the first is what answers carry.
     let (_, models) = server.get("/v1/models");

@@ -94,8 +94,8 @@ pub fn run(args: &AnswerArgs) -> Result<()> {
     let (started, mut n_tokens) = (std::time::Instant::now(), 0usize);
     loop {
         // Fill free slots; a new conversation's prompt is decoded as it joins.
-        for slot in 0..slots.len() {
-            if slots[slot].is_some() {
+        for (slot, entry) in slots.iter_mut().enumerate() {
+            if entry.is_some() {
                 continue;
             }
             let Some(job) = todo.pop_front() else { break };
@@ -114,7 +114,7 @@ pub fn run(args: &AnswerArgs) -> Result<()> {
             }
             engine.reset_slot(slot)?;
             let run = engine.start_in(slot, &prompt, &opts)?;
-            slots[slot] = Some((job, run));
+            *entry = Some((job, run));
         }
         if slots.iter().all(Option::is_none) {
             break;

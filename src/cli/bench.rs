@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Target, drafter (required here), threads, context.
+    /// Target, drafter (required unless --lookup), threads, context.
     #[command(flatten)]
     pub models: super::ModelArgs,
     /// Prompts, one JSON object per line with a "prompt" field.
@@ -30,6 +30,13 @@ pub struct BenchArgs {
     /// Node budget of token trees.
     #[arg(long, default_value_t = 32)]
     pub tree_budget: usize,
+    /// Also run every mode with context look-up drafting (`MODE+lookup`), and the look-up
+    /// alone without the drafter (`lookup MODE`, path and tree).
+    #[arg(long)]
+    pub lookup: bool,
+    /// Longest suffix the look-up matches.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_LOOKUP_NGRAM)]
+    pub lookup_ngram: usize,
     /// Runs of every (prompt, mode) pair; medians are over all of them.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -41,6 +48,48 @@ pub struct BenchArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// One way of decoding that the bench compares.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Variant {
+    select: SelectMode,
+    drafter: bool,
+    lookup: bool,
+}
+
+impl Variant {
+    fn name(&self) -> String {
+        let mode = serde_json::to_value(self.select).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+        match (self.drafter, self.lookup) {
+            (true, true) => format!("{mode}+lookup"),
+            (false, true) => format!("lookup {mode}"),
+            _ => mode,
+        }
+    }
+
+    /// The modes of `args`: `none` first (the baseline), then each mode with the drafter,
+    /// with the drafter and the look-up, and with the look-up alone (paths are all alike
+    /// there: `greedy` stands for them; llama.cpp's driver needs the drafter).
+    fn all(args: &BenchArgs, has_drafter: bool) -> Vec<Variant> {
+        let plain = Variant { select: SelectMode::None, drafter: false, lookup: false };
+        let mut out = vec![plain];
+        let modes = args.select.iter().copied().filter(|&m| m != SelectMode::None);
+        for m in modes.clone().filter(|_| has_drafter) {
+            out.push(Variant { select: m, drafter: true, lookup: false });
+            if args.lookup && m != SelectMode::Upstream {
+                out.push(Variant { select: m, drafter: true, lookup: true });
+            }
+        }
+        if args.lookup {
+            for m in [SelectMode::Greedy, SelectMode::Tree] {
+                if modes.clone().any(|x| x == m || (m == SelectMode::Greedy && x == SelectMode::BestPath)) {
+                    out.push(Variant { select: m, drafter: false, lookup: true });
+                }
+            }
+        }
+        out
+    }
 }
 
 #[derive(Default, Clone)]
@@ -59,24 +108,34 @@ struct ModeResult {
     predicted: f64,
     rejections: usize,
     rejected_in_candidates: usize,
+    lookup_drafted: usize,
+    lookup_accepted: usize,
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    let drafter_path = args.models.drafter.clone().ok_or_else(|| anyhow::anyhow!("bench needs a drafter (-d DRAFTER.gguf)"))?;
-    crate::gguf::check_pair_files(&args.models.model, &drafter_path)?;
-    let mut modes = vec![SelectMode::None];
-    modes.extend(args.select.iter().copied().filter(|&m| m != SelectMode::None));
+    anyhow::ensure!(
+        args.models.drafter.is_some() || args.lookup,
+        "bench needs a drafter (-d DRAFTER.gguf) or --lookup"
+    );
+    anyhow::ensure!(
+        (1..=crate::draft::lookup::MAX_NGRAM).contains(&args.lookup_ngram),
+        "--lookup-ngram must be 1..={}",
+        crate::draft::lookup::MAX_NGRAM
+    );
+    let modes = Variant::all(args, args.models.drafter.is_some());
 
     let spinner = super::loading_spinner("models");
-    let cfg = args.models.config(Some(drafter_path));
+    let cfg = args.models.config(args.models.drafter.clone());
     // Loaded as every other command loads them (the target probed for batch invariance).
     let (target, drafter) = Engine::load_models(&cfg)?;
-    let drafter = drafter.expect("the config names a drafter");
     spinner.finish_and_clear();
-    // `none` gets an engine without a drafter: the true plain baseline.
+    // `none` and the look-up alone get an engine without a drafter: the true plain baseline.
     let mut plain = Engine::from_models(target.clone(), None, &cfg)?;
-    let mut spec = Engine::from_models(target.clone(), Some(drafter.clone()), &cfg)?;
-    let trained = spec.drafter().map_or(16, |d| d.trained_block());
+    let mut spec = match &drafter {
+        Some(d) => Some(Engine::from_models(target.clone(), Some(d.clone()), &cfg)?),
+        None => None,
+    };
+    let trained = spec.as_ref().and_then(|e| e.drafter()).map_or(crate::engine::LOOKUP_BLOCK, |d| d.trained_block());
     let (block, adaptive) = args.block.resolve(trained);
 
     let prompts = read_prompts(args, &target)?;
@@ -91,14 +150,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             for (mi, &mode) in modes.iter().enumerate() {
                 let opts = GenerateOptions {
                     n_predict: args.n_predict,
-                    select: mode,
+                    select: mode.select,
                     block,
                     adaptive,
                     tree_budget: args.tree_budget,
+                    lookup: mode.lookup,
+                    lookup_ngram: args.lookup_ngram,
                     sampling: sampling.clone(),
                     ..Default::default()
                 };
-                let engine = if mode == SelectMode::None { &mut plain } else { &mut spec };
+                let engine = match (&mut spec, mode.drafter) {
+                    (Some(spec), true) => spec,
+                    _ => &mut plain,
+                };
                 // Each run starts from an empty cache: prompt processing is part of no mode's speed.
                 engine.reset()?;
                 let g = engine.generate(prompt, &opts, |_| true)?;
@@ -110,14 +174,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                         r.speedup.push(tps / base_tps);
                         if args.sampling.temperature <= 0.0 && &g.tokens != tokens {
                             r.mismatches += 1;
-                            tracing::warn!("prompt {pi}: {mode:?} output differs from plain decoding");
+                            tracing::warn!("prompt {pi}: {} output differs from plain decoding", mode.name());
                         }
                     }
                 }
                 record(r, &g, tps);
             }
             let tau = |r: &ModeResult| r.cycle_tokens as f64 / r.cycles.max(1) as f64;
-            let taus: Vec<String> = modes.iter().zip(&results).map(|(m, r)| format!("{m:?} {:.2}", tau(r))).collect();
+            let taus: Vec<String> =
+                modes.iter().zip(&results).map(|(m, r)| format!("{} {:.2}", m.name(), tau(r))).collect();
             progress.inc(&format!("(tau so far: {})", taus.join(", ")));
         }
     }
@@ -139,6 +204,8 @@ fn record(r: &mut ModeResult, g: &Generation, tps: f64) {
     r.predicted += s.predicted_accepted;
     r.rejections += s.rejections;
     r.rejected_in_candidates += s.rejected_in_candidates;
+    r.lookup_drafted += s.from_lookup.drafted;
+    r.lookup_accepted += s.from_lookup.accepted;
 }
 
 fn read_prompts(args: &BenchArgs, target: &Model) -> anyhow::Result<Vec<Vec<Token>>> {
@@ -182,7 +249,7 @@ fn median(v: &[f64]) -> f64 {
 
 fn report(
     args: &BenchArgs,
-    modes: &[SelectMode],
+    modes: &[Variant],
     results: &[ModeResult],
     n_prompts: usize,
     block: usize,
@@ -194,11 +261,11 @@ fn report(
         .map(|(mode, r)| {
             let busy = (r.draft_ms + r.verify_ms + r.host_ms).max(1e-9);
             serde_json::json!({
-                "select": mode,
+                "select": mode.name(),
                 "tau": r.cycle_tokens as f64 / r.cycles.max(1) as f64,
                 "acceptance": r.accepted as f64 / r.drafted.max(1) as f64,
                 "tokens_per_second_median": median(&r.tps),
-                "speedup_median": if *mode == SelectMode::None { 1.0 } else { median(&r.speedup) },
+                "speedup_median": if mode.select == SelectMode::None { 1.0 } else { median(&r.speedup) },
                 "draft_share": r.draft_ms / busy,
                 "verify_share": r.verify_ms / busy,
                 "host_share": r.host_ms / busy,
@@ -207,6 +274,8 @@ fn report(
                 "predicted_accepted": r.predicted,
                 "observed_accepted": r.accepted,
                 "rejections": r.rejections,
+                "lookup_drafted": r.lookup_drafted,
+                "lookup_accepted": r.lookup_accepted,
                 "target_token_in_candidates_at_rejection": r.rejected_in_candidates as f64 / r.rejections.max(1) as f64,
                 "samples": r.tps.len(),
             })
@@ -225,11 +294,11 @@ fn report(
         "{n_prompts} prompts x {} runs, {} tokens each, block {block_desc}, temperature {}",
         args.runs, args.n_predict, args.sampling.temperature
     );
-    println!("| mode | tau | accepted/drafted | tok/s (median) | speedup vs none (median) | draft / verify / host time | host ms/cycle | accepted: predicted / observed | target token in candidates at rejection | mismatches |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| mode | tau | accepted/drafted | tok/s (median) | speedup vs none (median) | draft / verify / host time | host ms/cycle | accepted: predicted / observed | target token in candidates at rejection | look-up accepted / drafted | mismatches |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {:.2} | {:.2} | {:.1} | {:.2}x | {:.0}% / {:.0}% / {:.1}% | {:.3} | {:.0} / {} | {:.0}% | {} |",
+            "| {} | {:.2} | {:.2} | {:.1} | {:.2}x | {:.0}% / {:.0}% / {:.1}% | {:.3} | {:.0} / {} | {:.0}% | {} / {} | {} |",
             r["select"].as_str().unwrap_or("?"),
             r["tau"].as_f64().unwrap_or(0.0),
             r["acceptance"].as_f64().unwrap_or(0.0),
@@ -242,6 +311,8 @@ fn report(
             r["predicted_accepted"].as_f64().unwrap_or(0.0),
             r["observed_accepted"],
             100.0 * r["target_token_in_candidates_at_rejection"].as_f64().unwrap_or(0.0),
+            r["lookup_accepted"],
+            r["lookup_drafted"],
             r["mismatches"],
         );
     }

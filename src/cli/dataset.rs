@@ -55,7 +55,7 @@ pub fn run(args: &DatasetArgs) -> Result<()> {
         if line.trim().is_empty() {
             continue;
         }
-        let c: Conversation = serde_json::from_str(&line)
+        let c: Conversation = serde_json::from_str(line)
             .with_context(|| format!("{}:{}: neither {{\"prompt\", \"answer\"}} nor {{\"text\"}}", args.conversations.display(), i + 1))?;
         ex.add(&c, &mut data)?;
         progress.inc(&format!("({} tokens)", data.n_tokens()));

@@ -67,6 +67,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             "n_drafted": s.n_drafted,
             "n_draft_accepted": s.n_draft_accepted,
             "accepted_hist": s.accepted_hist,
+            "from_drafter": s.from_drafter,
+            "from_lookup": s.from_lookup,
             "tokens_per_second": s.tokens_per_second(),
             "prefill_ms": s.prefill_ms,
             "draft_ms": s.draft_ms,
@@ -76,6 +78,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             "select": opts.select,
             "block": opts.block,
             "adaptive": opts.adaptive,
+            "lookup": opts.lookup.then_some(opts.lookup_ngram),
         });
         writeln!(stdout, "{out}")?;
     } else {

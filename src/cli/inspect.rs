@@ -181,7 +181,7 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     if info.dflash.is_some() {
         anyhow::bail!("{} is a DFlash drafter: --check probes a target", args.file.display());
     }
-    if args.batches.iter().any(|&b| b < 2 || b > 512) {
+    if args.batches.iter().any(|&b| !(2..=512).contains(&b)) {
         anyhow::bail!("--batches: each size must be between 2 and 512");
     }
     let params =

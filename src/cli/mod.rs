@@ -292,23 +292,40 @@ pub struct DraftArgs {
     /// Node budget of a token tree (`--select tree`).
     #[arg(long, default_value_t = 32)]
     pub tree_budget: usize,
+    /// Also draft from the context: what followed earlier occurrences of its last tokens
+    /// (prompt and output). Works beside a drafter or alone (no -d): cheap speculation
+    /// for editing work that repeats the prompt.
+    #[arg(long)]
+    pub lookup: bool,
+    /// Longest suffix the look-up matches, in tokens.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_LOOKUP_NGRAM,
+          value_parser = clap::builder::TypedValueParser::map(
+              clap::value_parser!(u16).range(1..=crate::draft::lookup::MAX_NGRAM as i64), usize::from))]
+    pub lookup_ngram: usize,
 }
 
 impl DraftArgs {
-    /// The selection mode given whether a drafter was named: a mode that drafts needs one.
+    /// The selection mode given whether a drafter was named: a mode that drafts needs one,
+    /// or the look-up (which drafts paths and trees, not llama.cpp's driver's blocks).
     pub fn select(&self, has_drafter: bool) -> anyhow::Result<crate::engine::SelectMode> {
         use crate::engine::SelectMode;
-        match (self.select, has_drafter) {
+        match (self.select, has_drafter || self.lookup) {
             (None, true) => Ok(SelectMode::Greedy),
             (None, false) | (Some(SelectMode::None), _) => Ok(SelectMode::None),
+            (Some(SelectMode::Upstream), _) if !has_drafter => {
+                anyhow::bail!("--select upstream needs a drafter (-d DRAFTER.gguf)")
+            }
             (Some(s), true) => Ok(s),
-            (Some(s), false) => anyhow::bail!("--select {s:?} needs a drafter (-d DRAFTER.gguf), or use --select none"),
+            (Some(s), false) => {
+                anyhow::bail!("--select {s:?} needs a drafter (-d DRAFTER.gguf) or --lookup, or use --select none")
+            }
         }
     }
 
-    /// (block, adaptive) for an engine whose drafter was trained with `trained` blocks.
-    pub fn block(&self, select: crate::engine::SelectMode, trained: usize) -> anyhow::Result<(usize, bool)> {
-        let (block, adaptive) = self.block.resolve(trained);
+    /// (block, adaptive) for an engine whose drafter was trained with `trained` blocks
+    /// (`None`: no drafter; the look-up then drafts up to `engine::LOOKUP_BLOCK`).
+    pub fn block(&self, select: crate::engine::SelectMode, trained: Option<usize>) -> anyhow::Result<(usize, bool)> {
+        let (block, adaptive) = self.block.resolve(trained.unwrap_or(crate::engine::LOOKUP_BLOCK));
         if select != crate::engine::SelectMode::None && block < 2 {
             anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
         }
@@ -347,13 +364,15 @@ impl EngineArgs {
         stop: Vec<String>,
     ) -> anyhow::Result<crate::engine::GenerateOptions> {
         let select = self.draft.select(engine.drafter().is_some())?;
-        let (block, adaptive) = self.draft.block(select, engine.drafter().map_or(1, |d| d.trained_block()))?;
+        let (block, adaptive) = self.draft.block(select, engine.drafter().map(|d| d.trained_block()))?;
         Ok(crate::engine::GenerateOptions {
             n_predict,
             select,
             block,
             adaptive,
             tree_budget: self.draft.tree_budget,
+            lookup: self.draft.lookup,
+            lookup_ngram: self.draft.lookup_ngram,
             stop,
             sampling: self.sampling.params(),
             ..Default::default()

@@ -56,14 +56,22 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let scheduler = Scheduler::start(cfg, args.parallel, queue, metrics.clone());
     spinner.finish_and_clear();
     let scheduler = scheduler?;
-    let (block, adaptive) = args.draft.block(select, scheduler.info().trained_block.unwrap_or(1))?;
+    let (block, adaptive) = args.draft.block(select, scheduler.info().trained_block)?;
     let state = Arc::new(AppState {
         scheduler,
         metrics,
         model_ids: if args.alias.is_empty() { vec![file_name(&args.models.model)] } else { args.alias.clone() },
         drafter_path: drafter.map(|d| d.display().to_string()),
         api_key: args.api_key.clone(),
-        defaults: Defaults { select, block, adaptive, tree_budget: args.draft.tree_budget, sampling: args.sampling.params() },
+        defaults: Defaults {
+            select,
+            block,
+            adaptive,
+            tree_budget: args.draft.tree_budget,
+            lookup: args.draft.lookup,
+            lookup_ngram: args.draft.lookup_ngram,
+            sampling: args.sampling.params(),
+        },
     });
     let router = server::router(state, args.max_body);
 

@@ -6,7 +6,7 @@
 //! decodes; the acceptance the lattice predicts is calibrated against what the target
 //! actually accepts; and when drafting stops paying, the engine decodes plainly and
 //! only probes the drafter now and then.
-use super::DraftTree;
+use super::{DraftTree, Origin};
 
 /// Exponential moving average that starts at its first sample.
 #[derive(Debug, Clone, Copy, Default)]
@@ -43,6 +43,8 @@ pub struct CostModel {
     /// Per depth k (1-based at index k-1): observed / predicted acceptance to depth k.
     observed: Vec<Ema>,
     predicted: Vec<Ema>,
+    /// Drafted tokens the target took per drafter call, lately.
+    drafter_accepted: Ema,
     /// Realised speed of speculative cycles relative to plain decoding of the same
     /// number of sequences (above 1: drafting pays).
     spec_gain: Ema,
@@ -90,23 +92,58 @@ impl CostModel {
         }
     }
 
+    /// Node k's chance of being accepted: its path probability `gain`, corrected by the
+    /// drafter's calibration where the drafter alone proposed it (the look-up's estimates
+    /// are calibrated where they are made).
+    fn node_gain(&self, tree: &DraftTree, k: usize, gain: f32) -> f64 {
+        let n = &tree.nodes[k];
+        match n.origin {
+            Origin::Drafter => self.calibrated(n.depth - 1, gain as f64),
+            Origin::Lookup | Origin::Both => gain as f64,
+        }
+    }
+
+    /// Drafted tokens the target is expected to take from `tree` (its path
+    /// probabilities, calibrated).
+    pub fn expected_accepted(&self, tree: &DraftTree) -> f64 {
+        let gains = tree.gains();
+        gains.iter().enumerate().map(|(k, &g)| self.node_gain(tree, k, g)).sum()
+    }
+
     /// How many draft nodes to verify (0 = none: a plain step). `gains[i]` is node i's
     /// path probability (for a path: the chance it is accepted at least to depth i+1);
     /// nodes come best-first, parents first, so any prefix is a valid draft. The draft
     /// itself is already paid for: this maximises tokens per verify time.
     pub fn choose_len(&self, gains: &[f32], tree: &DraftTree) -> usize {
-        let Some(plain) = self.verify_cost(1) else { return gains.len() };
+        self.best_len(gains, tree).0
+    }
+
+    /// [`CostModel::choose_len`] and the tokens per millisecond of verify it expects
+    /// (infinite before any cost is measured).
+    pub fn best_len(&self, gains: &[f32], tree: &DraftTree) -> (usize, f64) {
+        let Some(plain) = self.verify_cost(1) else { return (gains.len(), f64::INFINITY) };
         let mut best = (0, 1.0 / plain);
         let mut expected = 1.0;
         for (k, &p) in gains.iter().enumerate() {
-            expected += self.calibrated(tree.nodes[k].depth - 1, p as f64);
+            expected += self.node_gain(tree, k, p);
             let Some(cost) = self.verify_cost(k + 2) else { break };
             let rate = expected / cost;
             if rate > best.1 {
                 best = (k + 1, rate);
             }
         }
-        best.0
+        best
+    }
+
+    /// Record how many drafted tokens the target took after a drafter call.
+    pub fn record_drafter_accepted(&mut self, accepted: usize) {
+        self.drafter_accepted.add(accepted as f64);
+    }
+
+    /// Drafted tokens the target took per drafter call, lately (infinite before the
+    /// first call: nothing is known to beat it).
+    pub fn drafter_expected(&self) -> f64 {
+        self.drafter_accepted.get().unwrap_or(f64::INFINITY)
     }
 
     /// Record one verified draft: `path_probs` as predicted, `accepted` drafted tokens taken.

@@ -8,8 +8,9 @@
 pub mod cost;
 pub mod drafter;
 pub mod lattice;
+pub mod lookup;
 pub mod select;
 pub mod tree;
 
 pub use lattice::Lattice;
-pub use tree::{DraftNode, DraftTree};
+pub use tree::{DraftNode, DraftTree, Origin};

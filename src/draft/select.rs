@@ -11,7 +11,7 @@ use std::collections::BinaryHeap;
 use rand::Rng;
 
 use super::lattice::{argmax, softmax_into, Lattice};
-use super::tree::{DraftNode, DraftTree};
+use super::tree::{DraftNode, DraftTree, Origin};
 
 /// A deterministic way to turn a lattice into a draft of at most `max_nodes` tokens.
 pub trait Selector {
@@ -126,7 +126,7 @@ impl Selector for TreeBestFirst {
         while tree.nodes.len() < max_nodes {
             let Some(Ranked { mass, item: Candidate { parent, t, cand, q }, .. }) = frontier.pop() else { break };
             let index = tree.nodes.len();
-            tree.nodes.push(DraftNode { token: lattice.id(t, cand), parent, depth: t + 1, cand, q });
+            tree.nodes.push(DraftNode { token: lattice.id(t, cand), parent, depth: t + 1, cand, q, origin: Origin::Drafter });
             if t + 1 < lattice.n_pos {
                 push_children(&mut frontier, Some(index), t + 1, cand, mass);
             }
@@ -203,7 +203,7 @@ pub fn sample_draft(lattice: &Lattice, max_nodes: usize, temperature: f32, branc
         let (cand, token, q) = draws[best.list][best.index];
         let depth = best.parent.map_or(1, |p| tree.nodes[p].depth + 1);
         let index = tree.nodes.len();
-        tree.nodes.push(DraftNode { token, parent: best.parent, depth, cand, q });
+        tree.nodes.push(DraftNode { token, parent: best.parent, depth, cand, q, origin: Origin::Drafter });
         path_mass.push(mass);
         if branch {
             let parent_mass = best.parent.map_or(1.0, |p| path_mass[p]);
@@ -350,7 +350,7 @@ fn row_probs(lattice: &Lattice, t: usize, pred: usize, temperature: f32) -> Vec<
 
 /// Node `t` of a chain (its parent is node `t - 1`).
 fn chain_node(lattice: &Lattice, t: usize, cand: usize, q: f32) -> DraftNode {
-    DraftNode { token: lattice.id(t, cand), parent: t.checked_sub(1), depth: t + 1, cand, q }
+    DraftNode { token: lattice.id(t, cand), parent: t.checked_sub(1), depth: t + 1, cand, q, origin: Origin::Drafter }
 }
 
 /// The chain through `cands` (one candidate index per position), `q` = `a_t`.

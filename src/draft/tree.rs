@@ -12,8 +12,30 @@ pub struct DraftNode {
     /// Block position this node fills (`depth - 1`) and the candidate index it took there.
     pub cand: usize,
     /// Drafter probability of this token given its parent (softmax of the lattice row),
-    /// the `q(x)` of rejection sampling when the token was sampled.
+    /// the `q(x)` of rejection sampling when the token was sampled. For a look-up node:
+    /// its estimated chance of acceptance given its parent.
     pub q: f32,
+    /// Which draft source proposed it.
+    pub origin: Origin,
+}
+
+/// The draft source of a node: the DFlash drafter, the context look-up, or both (a
+/// merged tree shares the node both proposed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Drafter,
+    Lookup,
+    Both,
+}
+
+impl Origin {
+    pub fn from_drafter(self) -> bool {
+        self != Origin::Lookup
+    }
+
+    pub fn from_lookup(self) -> bool {
+        self != Origin::Drafter
+    }
 }
 
 /// Nodes are stored parents-first (a parent always precedes its children), which is also
@@ -35,6 +57,7 @@ impl DraftTree {
                 depth: i + 1,
                 cand: 0,
                 q: 1.0,
+                origin: Origin::Drafter,
             })
             .collect();
         Self { nodes }
@@ -83,6 +106,17 @@ impl DraftTree {
         path
     }
 
+    /// What each node adds to the expected accepted length: its path probability (the
+    /// product of the `q`s from the anchor down to it).
+    pub fn gains(&self) -> Vec<f32> {
+        let mut gains: Vec<f32> = Vec::with_capacity(self.len());
+        for n in &self.nodes {
+            let parent = n.parent.map_or(1.0, |p| gains[p]);
+            gains.push(parent * n.q);
+        }
+        gains
+    }
+
     /// Leaves (nodes without children), in node order.
     pub fn leaves(&self) -> Vec<usize> {
         let mut has_child = vec![false; self.nodes.len()];
@@ -129,12 +163,81 @@ impl DraftTree {
     }
 }
 
+impl DraftTree {
+    /// This tree and `other` as one: a node both propose on the same path is shared
+    /// (origin `Both`, the larger `q`). The result is best-first by path probability
+    /// (parents first, so any prefix is a valid draft), at most `budget` nodes.
+    pub fn merge(&self, other: &DraftTree, budget: usize) -> DraftTree {
+        let mut nodes = self.nodes.clone();
+        // where each node of `other` landed in `nodes`
+        let mut landed: Vec<usize> = Vec::with_capacity(other.len());
+        for n in &other.nodes {
+            let parent = n.parent.map(|p| landed[p]);
+            let same = nodes.iter().position(|m| m.parent == parent && m.token == n.token);
+            match same {
+                Some(i) => {
+                    let m = &mut nodes[i];
+                    m.q = m.q.max(n.q);
+                    if m.origin != n.origin {
+                        m.origin = Origin::Both;
+                    }
+                    landed.push(i);
+                }
+                None => {
+                    nodes.push(DraftNode { parent, ..n.clone() });
+                    landed.push(nodes.len() - 1);
+                }
+            }
+        }
+        DraftTree { nodes }.best_first(budget)
+    }
+
+    /// The nodes reordered by path probability, likeliest first (a child is never likelier
+    /// than its parent, and the sort is stable, so parents stay first), at most `budget`.
+    pub fn best_first(&self, budget: usize) -> DraftTree {
+        let gains = self.gains();
+        let mut order: Vec<usize> = (0..self.len()).collect();
+        order.sort_by(|&a, &b| gains[b].total_cmp(&gains[a]));
+        order.truncate(budget);
+        let mut new_index = vec![usize::MAX; self.len()];
+        for (new, &old) in order.iter().enumerate() {
+            new_index[old] = new;
+        }
+        let nodes = order
+            .iter()
+            .map(|&old| {
+                let mut n = self.nodes[old].clone();
+                n.parent = n.parent.map(|p| new_index[p]);
+                n
+            })
+            .collect();
+        DraftTree { nodes }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn node(token: i32, parent: Option<usize>, depth: usize, q: f32) -> DraftNode {
-        DraftNode { token, parent, depth, cand: 0, q }
+        DraftNode { token, parent, depth, cand: 0, q, origin: Origin::Drafter }
+    }
+
+    #[test]
+    fn a_merged_tree_shares_common_nodes_and_stays_best_first_within_budget() {
+        // drafter: a(0.6) -> b(0.5); look-up: a(0.9) -> c(0.8)
+        let drafter = DraftTree { nodes: vec![node(1, None, 1, 0.6), node(2, Some(0), 2, 0.5)] };
+        let mut lookup = DraftTree { nodes: vec![node(1, None, 1, 0.9), node(3, Some(0), 2, 0.8)] };
+        lookup.nodes.iter_mut().for_each(|n| n.origin = Origin::Lookup);
+        let m = drafter.merge(&lookup, 8);
+        let tokens: Vec<i32> = m.nodes.iter().map(|n| n.token).collect();
+        assert_eq!(tokens, vec![1, 3, 2], "shared a, then c (0.72) before b (0.45)");
+        assert_eq!(m.nodes[0].origin, Origin::Both);
+        assert_eq!(m.nodes[0].q, 0.9);
+        assert_eq!((m.nodes[1].origin, m.nodes[1].parent), (Origin::Lookup, Some(0)));
+        assert_eq!((m.nodes[2].origin, m.nodes[2].parent), (Origin::Drafter, Some(0)));
+        let cut = drafter.merge(&lookup, 2);
+        assert_eq!(cut.nodes.iter().map(|n| n.token).collect::<Vec<_>>(), vec![1, 3]);
     }
 
     #[test]

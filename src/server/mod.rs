@@ -27,6 +27,9 @@ pub struct Defaults {
     /// Choose each cycle's draft length from measured costs (`--block auto`).
     pub adaptive: bool,
     pub tree_budget: usize,
+    /// Context look-up drafting (`--lookup`); requests may turn it on or off.
+    pub lookup: bool,
+    pub lookup_ngram: usize,
     pub sampling: SamplingParams,
 }
 

@@ -5,7 +5,7 @@ use super::errors::ApiError;
 use super::scheduler::{GenEvent, GenRequest, QueueFull};
 use super::types::*;
 use super::AppState;
-use crate::engine::{FinishReason, GenerateOptions, Generation};
+use crate::engine::{FinishReason, GenerateOptions, Generation, SelectMode};
 use crate::llama::{ChatMessage, LlamaError, Model, Token};
 use crate::sampling::SamplingParams;
 use axum::body::Bytes;
@@ -128,6 +128,8 @@ pub async fn props(State(s): Shared) -> Json<Props> {
                 block: d.block,
                 adaptive: d.adaptive,
                 tree_budget: d.tree_budget,
+                lookup: d.lookup,
+                lookup_ngram: d.lookup_ngram,
             },
         },
         total_slots: s.scheduler.slots(),
@@ -275,12 +277,28 @@ fn options(
             Some(n) => n as u64,
         },
     };
+    let lookup = f.lookup.unwrap_or(s.defaults.lookup);
+    let max_ngram = crate::draft::lookup::MAX_NGRAM as i64;
+    let lookup_ngram = match f.lookup_ngram {
+        None => s.defaults.lookup_ngram,
+        Some(n) if (1..=max_ngram).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid_param("lookup_ngram", format!("`lookup_ngram` must be between 1 and {max_ngram}, got {n}")))
+        }
+    };
+    // A server started without a drafter decodes plainly unless a request asks for look-up.
+    let select = match s.defaults.select {
+        SelectMode::None if lookup => SelectMode::Greedy,
+        select => select,
+    };
     Ok(GenerateOptions {
         n_predict,
-        select: s.defaults.select,
+        select,
         block: s.defaults.block,
         adaptive: s.defaults.adaptive,
         tree_budget: s.defaults.tree_budget,
+        lookup,
+        lookup_ngram,
         stop: f.stop.map(Stop::into_vec).unwrap_or_default(),
         sampling,
         ..GenerateOptions::default()
@@ -563,7 +581,7 @@ async fn collect(mut events: mpsc::Receiver<GenEvent>) -> Result<Generation, Api
     while let Some(e) = events.recv().await {
         match e {
             GenEvent::Tokens { .. } => {}
-            GenEvent::Done(g) => return Ok(g),
+            GenEvent::Done(g) => return Ok(*g),
             GenEvent::Error(e) => return Err(ApiError::Internal(e)),
         }
     }

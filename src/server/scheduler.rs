@@ -34,7 +34,7 @@ pub enum GenEvent {
         tokens: Vec<Token>,
         text: String,
     },
-    Done(Generation),
+    Done(Box<Generation>),
     Error(String),
 }
 
@@ -302,7 +302,7 @@ impl Worker {
         }
         let gen = a.run.into_generation();
         self.metrics.record(&gen);
-        let _ = a.job.events.blocking_send(GenEvent::Done(gen));
+        let _ = a.job.events.blocking_send(GenEvent::Done(Box::new(gen)));
         None
     }
 

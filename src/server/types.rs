@@ -24,6 +24,10 @@ pub struct SamplingFields {
     /// Negative: a random seed (llama.cpp's -1).
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
+    /// Extras of this server: draft from the context too (`--lookup`), and the longest
+    /// suffix that look-up matches (`--lookup-ngram`).
+    pub lookup: Option<bool>,
+    pub lookup_ngram: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -357,4 +361,6 @@ pub struct Speculative {
     /// Draft lengths chosen per cycle from measured costs (`--block auto`).
     pub adaptive: bool,
     pub tree_budget: usize,
+    pub lookup: bool,
+    pub lookup_ngram: usize,
 }

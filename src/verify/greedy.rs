@@ -30,7 +30,7 @@ pub fn accept_greedy<E>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::draft::DraftNode;
+    use crate::draft::{DraftNode, Origin};
     use std::cell::RefCell;
 
     fn walk(tree: &DraftTree, target_argmax: impl Fn(usize) -> i32) -> Accepted {
@@ -38,7 +38,7 @@ mod tests {
     }
 
     fn node(token: i32, parent: Option<usize>, depth: usize) -> DraftNode {
-        DraftNode { token, parent, depth, cand: 0, q: 1.0 }
+        DraftNode { token, parent, depth, cand: 0, q: 1.0, origin: Origin::Drafter }
     }
 
     #[test]

@@ -149,7 +149,7 @@ impl Proposal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::draft::DraftNode;
+    use crate::draft::{DraftNode, Origin};
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
     use std::collections::HashMap;
@@ -299,8 +299,8 @@ mod tests {
         // Two siblings: the second is the target's token and is kept.
         let tree = DraftTree {
             nodes: vec![
-                DraftNode { token: 2, parent: None, depth: 1, cand: 0, q: 0.7 },
-                DraftNode { token: 5, parent: None, depth: 1, cand: 1, q: 0.3 },
+                DraftNode { token: 2, parent: None, depth: 1, cand: 0, q: 0.7, origin: Origin::Drafter },
+                DraftNode { token: 5, parent: None, depth: 1, cand: 1, q: 0.3, origin: Origin::Drafter },
             ],
         };
         let q = vec![(2, 0.7), (5, 0.3)];
@@ -324,7 +324,7 @@ mod tests {
             let q = proposal(&random_weights(rng, vocab));
             let width = rng.gen_range(0..=3);
             for token in draw_without_replacement(&q, width, rng) {
-                tree.nodes.push(DraftNode { token, parent, depth: depth + 1, cand: 0, q: 1.0 });
+                tree.nodes.push(DraftNode { token, parent, depth: depth + 1, cand: 0, q: 1.0, origin: Origin::Drafter });
                 qs.push(q.clone());
                 open.push(Some(tree.nodes.len() - 1));
             }
@@ -404,7 +404,7 @@ mod tests {
                     }
                     let q = proposals[&context].clone();
                     for token in draw_without_replacement(&q, siblings, &mut rng) {
-                        tree.nodes.push(DraftNode { token, parent, depth: depth + 1, cand: 0, q: 1.0 });
+                        tree.nodes.push(DraftNode { token, parent, depth: depth + 1, cand: 0, q: 1.0, origin: Origin::Drafter });
                         qs.push(q.clone());
                         contexts.push([context.as_slice(), &[token]].concat());
                         open.push(Some(tree.nodes.len() - 1));

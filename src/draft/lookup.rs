@@ -1,0 +1,296 @@
+//! Look-up drafting: what followed earlier occurrences of the context's last tokens.
+//!
+//! Much of what people generate repeats the context: code they asked to edit, quoted
+//! passages, the same identifiers again and again. An n-gram index over one sequence's
+//! committed tokens (prompt and output) proposes the continuations that followed earlier
+//! matches of its last n tokens, at no drafter cost. A proposal is a token trie (one
+//! branch per distinct continuation); each node's chance of acceptance is estimated from
+//! how often the target took look-up tokens in this sequence so far, by match length.
+use std::collections::HashMap;
+
+use super::{DraftNode, DraftTree, Origin};
+use crate::llama::Token;
+
+/// Longest n-gram the index keeps: `--lookup-ngram` can be at most this.
+pub const MAX_NGRAM: usize = 8;
+/// Earlier matches merged into one proposal, the most recent first.
+const MAX_MATCHES: usize = 8;
+
+/// Every n-gram (n = 1..=MAX_NGRAM) of one sequence, and where each occurred.
+#[derive(Debug, Default)]
+pub struct NgramIndex {
+    tokens: Vec<Token>,
+    /// hash of an n-gram (its length included) -> the positions right after its
+    /// occurrences, ascending. Hash collisions only share a list: matches are checked.
+    ends: HashMap<u64, Vec<u32>>,
+}
+
+impl NgramIndex {
+    /// Bring the index to the committed sequence `history` + `last`, keeping what it
+    /// shares with what was indexed before (normally all but the newest tokens).
+    pub fn sync(&mut self, history: &[Token], last: Token) {
+        let full = history.len() + 1;
+        let at = |i: usize| if i < history.len() { history[i] } else { last };
+        let common = self.tokens.iter().enumerate().take_while(|&(i, &t)| i < full && at(i) == t).count();
+        self.truncate(common);
+        for i in common..full {
+            self.push(at(i));
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    fn push(&mut self, token: Token) {
+        self.tokens.push(token);
+        let end = self.tokens.len();
+        for n in 1..=MAX_NGRAM.min(end) {
+            self.ends.entry(key(&self.tokens[end - n..end])).or_default().push(end as u32);
+        }
+    }
+
+    fn truncate(&mut self, keep: usize) {
+        // Undo pushes newest first: each list's last entry is the position being removed.
+        while self.tokens.len() > keep {
+            let end = self.tokens.len();
+            for n in 1..=MAX_NGRAM.min(end) {
+                let k = key(&self.tokens[end - n..end]);
+                if let Some(list) = self.ends.get_mut(&k) {
+                    debug_assert_eq!(list.last(), Some(&(end as u32)));
+                    list.pop();
+                    if list.is_empty() {
+                        self.ends.remove(&k);
+                    }
+                }
+            }
+            self.tokens.pop();
+        }
+    }
+
+    /// What followed the earlier occurrences of the longest suffix of at most `max_ngram`
+    /// tokens that occurred before: up to `MAX_MATCHES` continuations (most recent first)
+    /// of at most `max_len` tokens, merged into a trie. `None` when nothing matches.
+    pub fn propose(&self, max_ngram: usize, max_len: usize) -> Option<Proposal> {
+        let len = self.tokens.len();
+        if max_len == 0 {
+            return None;
+        }
+        for n in (1..=max_ngram.min(MAX_NGRAM).min(len.saturating_sub(1))).rev() {
+            let suffix = &self.tokens[len - n..];
+            let Some(ends) = self.ends.get(&key(suffix)) else { continue };
+            let matches: Vec<usize> = ends
+                .iter()
+                .rev()
+                .map(|&e| e as usize)
+                .filter(|&e| e < len && &self.tokens[e - n..e] == suffix)
+                .take(MAX_MATCHES)
+                .collect();
+            if matches.is_empty() {
+                continue;
+            }
+            let mut trie = Proposal { match_len: n, n_matches: matches.len(), nodes: Vec::new() };
+            for &e in &matches {
+                trie.insert(&self.tokens[e..(e + max_len).min(len)]);
+            }
+            return Some(trie);
+        }
+        None
+    }
+}
+
+/// A 64-bit hash of an n-gram (FNV-1a over its tokens, seeded with n).
+fn key(gram: &[Token]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ gram.len() as u64;
+    for &t in gram {
+        for b in t.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// The continuations of one look-up as a trie: nodes parents first, in insertion order
+/// (the most recent match's path first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Proposal {
+    /// Tokens of the matched suffix.
+    pub match_len: usize,
+    /// Earlier occurrences that contributed a continuation.
+    pub n_matches: usize,
+    pub nodes: Vec<TrieNode>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrieNode {
+    pub token: Token,
+    pub parent: Option<usize>,
+    pub depth: usize,
+    /// Continuations through this node.
+    pub support: usize,
+}
+
+impl Proposal {
+    fn insert(&mut self, continuation: &[Token]) {
+        let mut parent = None;
+        for (d, &token) in continuation.iter().enumerate() {
+            let found = self.nodes.iter().position(|n| n.parent == parent && n.token == token);
+            let i = match found {
+                Some(i) => i,
+                None => {
+                    self.nodes.push(TrieNode { token, parent, depth: d + 1, support: 0 });
+                    self.nodes.len() - 1
+                }
+            };
+            self.nodes[i].support += 1;
+            parent = Some(i);
+        }
+    }
+
+    /// Each node's chance of acceptance given its parent: the sequence's acceptance rate
+    /// of look-up tokens at this match length, times the node's share of its parent's
+    /// continuations.
+    fn q(&self, i: usize, rate: f32) -> f32 {
+        let n = &self.nodes[i];
+        let parent_support = n.parent.map_or(self.n_matches, |p| self.nodes[p].support);
+        rate * n.support as f32 / parent_support as f32
+    }
+
+    /// The whole trie as a draft tree, best-first, at most `budget` nodes.
+    pub fn tree(&self, calibration: &Calibration, budget: usize) -> DraftTree {
+        let rate = calibration.rate(self.match_len);
+        let nodes = (0..self.nodes.len()).map(|i| self.draft_node(i, self.nodes[i].parent, rate)).collect();
+        DraftTree { nodes }.best_first(budget)
+    }
+
+    /// The likeliest continuation (the most supported child at each step; the most recent
+    /// match on ties) as a chain.
+    pub fn path(&self, calibration: &Calibration) -> DraftTree {
+        let rate = calibration.rate(self.match_len);
+        let mut tree = DraftTree::default();
+        let mut at = None;
+        loop {
+            // `max_by_key` keeps the last of equal maxima: scanning in reverse, that is the
+            // node inserted first, from the most recent match.
+            let best = (0..self.nodes.len()).rev().filter(|&i| self.nodes[i].parent == at).max_by_key(|&i| self.nodes[i].support);
+            let Some(i) = best else { break };
+            let parent = tree.nodes.len().checked_sub(1);
+            tree.nodes.push(self.draft_node(i, parent, rate));
+            at = Some(i);
+        }
+        tree
+    }
+
+    fn draft_node(&self, i: usize, parent: Option<usize>, rate: f32) -> DraftNode {
+        let n = &self.nodes[i];
+        DraftNode { token: n.token, parent, depth: n.depth, cand: 0, q: self.q(i, rate), origin: Origin::Lookup }
+    }
+}
+
+/// How often the target took look-up tokens in one sequence, by match length: the
+/// acceptance estimate of the next proposals.
+#[derive(Debug, Clone, Default)]
+pub struct Calibration {
+    /// Look-up tokens the target tested (their parent was accepted) and accepted.
+    tested: [u32; MAX_NGRAM + 1],
+    accepted: [u32; MAX_NGRAM + 1],
+}
+
+/// Pseudo-observations of the prior: it fades after a few cycles.
+const PRIOR_WEIGHT: f32 = 2.0;
+
+impl Calibration {
+    /// Chance that the target takes a look-up token whose parent it took, after a match
+    /// of `match_len` tokens. Before any evidence: longer matches are likelier.
+    pub fn rate(&self, match_len: usize) -> f32 {
+        let n = match_len.min(MAX_NGRAM);
+        let prior = (0.3 + 0.1 * n as f32).min(0.8);
+        let rate = (self.accepted[n] as f32 + PRIOR_WEIGHT * prior) / (self.tested[n] as f32 + PRIOR_WEIGHT);
+        rate.min(0.98)
+    }
+
+    pub fn record(&mut self, match_len: usize, tested: usize, accepted: usize) {
+        let n = match_len.min(MAX_NGRAM);
+        self.tested[n] += tested as u32;
+        self.accepted[n] += accepted as u32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(tokens: &[Token]) -> NgramIndex {
+        let mut ix = NgramIndex::default();
+        ix.sync(&tokens[..tokens.len() - 1], *tokens.last().unwrap());
+        ix
+    }
+
+    fn tokens(tree: &DraftTree) -> Vec<Token> {
+        tree.nodes.iter().map(|n| n.token).collect()
+    }
+
+    #[test]
+    fn the_longest_earlier_match_proposes_what_followed_it() {
+        //          0  1  2  3  4  5  6  7  8  9
+        let ix = index(&[1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]);
+        // suffix [1 2 3] occurred at 0..3, followed by 4 5 9 ...
+        let p = ix.propose(4, 3).unwrap();
+        assert_eq!(p.match_len, 3);
+        assert_eq!(p.n_matches, 1);
+        assert_eq!(tokens(&p.path(&Calibration::default())), vec![4, 5, 9]);
+        // with at most 2-grams, [2 3] matches twice: 7 (most recent) and 4
+        let p = ix.propose(2, 2).unwrap();
+        assert_eq!((p.match_len, p.n_matches), (2, 2));
+        let tree = p.tree(&Calibration::default(), 8);
+        assert_eq!(tree.nodes.iter().filter(|n| n.parent.is_none()).count(), 2);
+        assert!(tree.nodes.iter().all(|n| n.origin == Origin::Lookup));
+        // nothing to match: a sequence without repeats
+        assert_eq!(index(&[1, 2, 3, 4]).propose(4, 8), None);
+    }
+
+    #[test]
+    fn continuations_merge_by_support_and_the_most_recent_wins_ties() {
+        // [5] followed by 6 7, 6 8, 6 7 (most recent last), then 5 again
+        let ix = index(&[5, 6, 7, 0, 5, 6, 8, 0, 5, 6, 7, 0, 5]);
+        let p = ix.propose(1, 2).unwrap();
+        assert_eq!(p.n_matches, 3);
+        let cal = Calibration::default();
+        let path = p.path(&cal);
+        assert_eq!(tokens(&path), vec![6, 7], "6 -> 7 has two of three continuations");
+        let rate = cal.rate(1);
+        assert!((path.nodes[0].q - rate).abs() < 1e-6, "all three matches go through 6");
+        assert!((path.nodes[1].q - rate * 2.0 / 3.0).abs() < 1e-6);
+        let tie = index(&[5, 1, 0, 5, 2, 0, 5]).propose(1, 1).unwrap();
+        assert_eq!(tokens(&tie.path(&cal)), vec![2], "the most recent of equal supports");
+    }
+
+    #[test]
+    fn the_index_follows_edits_and_rollbacks_of_the_sequence() {
+        let mut ix = index(&[1, 2, 3, 1, 2]);
+        assert_eq!(tokens(&ix.propose(2, 1).unwrap().path(&Calibration::default())), vec![3]);
+        // the sequence is rolled back and continues differently
+        ix.sync(&[1, 2, 9, 1], 2);
+        assert_eq!(ix.len(), 5);
+        assert_eq!(tokens(&ix.propose(2, 1).unwrap().path(&Calibration::default())), vec![9]);
+        // an index rebuilt from scratch proposes the same
+        assert_eq!(ix.propose(8, 4), index(&[1, 2, 9, 1, 2]).propose(8, 4));
+        ix.sync(&[], 4);
+        assert_eq!((ix.len(), ix.ends.len()), (1, 1), "only the one 1-gram is left");
+    }
+
+    #[test]
+    fn calibration_follows_what_the_target_accepted() {
+        let mut cal = Calibration::default();
+        let before = cal.rate(4);
+        cal.record(4, 20, 19);
+        assert!(cal.rate(4) > before && cal.rate(4) > 0.85);
+        cal.record(1, 20, 1);
+        assert!(cal.rate(1) < 0.15);
+        assert!(cal.rate(3) < cal.rate(5), "a longer match is likelier before evidence");
+    }
+}
