@@ -602,15 +602,6 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         server.assert_healthy(what);
     }
 
-    // Look-up drafting, asked for per request on a server without a drafter: it drafts from
-    // the context (the prompt repeats itself), and the answer is plain decoding's.
-    let repeat = "one two three four five one two three four five one two three four five one two";
-    let plain = server.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40 }));
-    let lookup = server.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40, "lookup": true }));
-    assert_eq!(lookup["content"], plain["content"], "look-up changed the answer");
-    assert_eq!(plain["timings"]["draft_n"], 0, "{plain}");
-    assert!(lookup["timings"]["draft_n"].as_u64().unwrap() > 0, "the look-up drafted nothing: {lookup}");
-
     // --alias names the model: every name is listed, the first is what answers carry.
     let (_, models) = server.get("/v1/models");
     let ids: Vec<Value> = serde_json::from_str::<Value>(&models).unwrap()["data"]
@@ -645,6 +636,20 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         .post_ok("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4 }));
     assert_eq!(ok["usage"]["completion_tokens"], 4);
     server.wait_idle();
+}
+
+/// Look-up drafting on a server without a drafter (`--lookup`, a fixed block so that every match
+/// is verified): it drafts from the context (the prompt repeats itself), a request can turn it
+/// off, and the answer is plain decoding's either way.
+#[test]
+fn lookup_drafts_from_the_context_and_keeps_the_answer() {
+    let server = Server::start("lookup", &["--lookup", "--block", "4"]);
+    let repeat = "one two three four five one two three four five one two three four five one two";
+    let plain = server.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40, "lookup": false }));
+    let lookup = server.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40 }));
+    assert_eq!(lookup["content"], plain["content"], "look-up changed the answer");
+    assert_eq!(plain["timings"]["draft_n"], 0, "{plain}");
+    assert!(lookup["timings"]["draft_n"].as_u64().unwrap() > 0, "the look-up drafted nothing: {lookup}");
 }
 
 #[test]
