@@ -201,8 +201,10 @@ dflash2_status dflash2_detokenize(const dflash2_engine *engine, const dflash2_to
                                   size_t n_tokens, bool special,
                                   char *buf, size_t capacity, size_t *len);
 
-/* Render `n_messages` (> 0) messages with the target's own chat template, ending with the
- * assistant's turn opened when `add_assistant`. Tokenize the result with parse_special. */
+/* Render `n_messages` (> 0) messages with the target's own chat template (its Jinja text from
+ * the GGUF, rendered as llama-server and Hugging Face render it), ending with the assistant's
+ * turn opened when `add_assistant`. Tokenize the result with parse_special. A template that
+ * refuses the messages (its raise_exception) fails with DFLASH2_ERR_TEMPLATE and its message. */
 dflash2_status dflash2_apply_chat_template(const dflash2_engine *engine,
                                            const dflash2_chat_message *messages, size_t n_messages,
                                            bool add_assistant,

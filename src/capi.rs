@@ -8,6 +8,7 @@ use crate::engine::{
     default_threads, Engine, EngineConfig, EngineError, FinishReason, GenerateOptions, Run, SelectMode, Stats,
 };
 use crate::llama::{ChatMessage, LlamaError, Model, Token};
+use crate::template::{ChatTemplate, TemplateChoice};
 use crate::sampling::SamplingParams;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -339,6 +340,8 @@ fn sampling_params(s: &CSampling) -> Result<SamplingParams> {
         repeat_penalty: s.repeat_penalty,
         repeat_last_n: s.repeat_last_n,
         seed: s.seed,
+        // (not in dflash2_sampling: adding fields would change its layout)
+        ..SamplingParams::default()
     })
 }
 
@@ -568,7 +571,8 @@ pub unsafe extern "C" fn dflash2_apply_chat_template(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        copy_text(&e.target.apply_chat_template(&msgs, add_assistant)?, buf, len)
+        let template = ChatTemplate::new(&e.target, &TemplateChoice::Model)?;
+        copy_text(&template.render(&msgs, add_assistant)?, buf, len)
     })
 }
 

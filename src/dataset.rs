@@ -13,6 +13,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context as _, Result};
 
 use crate::llama::{Batch, ChatMessage, Context, ContextParams, FeatureSource, Model, Token};
+use crate::template::{ChatTemplate, TemplateChoice};
 
 /// What the file holds (also written into its metadata, for whoever opens it).
 pub const DATASET_FORMAT: &str = "dflash2-dataset-v1: tokens I32[N]; next I32[N] = target argmax after \
@@ -126,8 +127,10 @@ impl Extractor {
             Conversation::Chat { prompt, answer } => {
                 let user = ChatMessage { role: "user".into(), content: prompt.clone() };
                 let assistant = ChatMessage { role: "assistant".into(), content: answer.clone() };
-                let prefix = self.target.apply_chat_template(std::slice::from_ref(&user), true)?;
-                let full = self.target.apply_chat_template(&[user, assistant], false)?;
+                // rendered as every chat path renders it (the model's own template)
+                let template = ChatTemplate::new(&self.target, &TemplateChoice::Model)?;
+                let prefix = template.render(std::slice::from_ref(&user), true)?;
+                let full = template.render(&[user, assistant], false)?;
                 let prefix = self.target.tokenize(&prefix, true, true)?;
                 let full = self.target.tokenize(&full, true, true)?;
                 let start = prefix.iter().zip(&full).take_while(|(a, b)| a == b).count();

@@ -2,6 +2,7 @@
 pub mod draft;
 pub mod llama;
 pub mod sampling;
+pub mod template;
 pub mod text;
 pub mod verify;
 pub mod target;

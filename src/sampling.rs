@@ -11,8 +11,11 @@
 //! `penalties -> top_k -> top_p -> min_p -> temperature -> dist`
 //!
 //! with the semantics of `src/llama-sampler.cpp`:
-//! - penalties: each distinct token among the last `repeat_last_n` of the history gets
-//!   `logit <= 0 ? logit * penalty : logit / penalty` (`repeat_last_n <= 0` disables it, as
+//! - logit bias first (`common_sampler_init` puts `llama_sampler_init_logit_bias` before the chain):
+//!   each `(id, bias)` adds `bias` to that logit (entries for one id add up; `-inf` bans it);
+//! - penalties: each distinct token among the last `repeat_last_n` of the history, seen `count` times
+//!   there, gets `logit <= 0 ? logit * repeat : logit / repeat`, then
+//!   `logit -= count * frequency + presence` (`repeat_last_n <= 0` disables them, as
 //!   `llama_sampler_init_penalties` clamps negatives to 0);
 //! - top_k: the k highest logits;
 //! - top_p: on the softmax of the UNTEMPERED surviving logits (over those k when top_k is on, over the
@@ -22,8 +25,8 @@
 //! - temperature: divides the surviving logits; `<= 0` keeps only the argmax (greedy);
 //! - dist: softmax of what is left.
 //!
-//! `min_keep` is llama.cpp's default 0: every stage keeps at least one token. Logit biases, grammars
-//! and a vocabulary's suppressed tokens are not applied here. Ties between equal logits, which llama.cpp
+//! `min_keep` is llama.cpp's default 0: every stage keeps at least one token. Grammars and a
+//! vocabulary's suppressed tokens are not applied here. Ties between equal logits, which llama.cpp
 //! leaves to `std::partial_sort`, go to the lower token id.
 
 use rand::Rng;
@@ -40,8 +43,14 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// `1` disables.
     pub repeat_penalty: f32,
-    /// `<= 0` disables.
+    /// Subtracted once from each token of the penalty window (OpenAI's `presence_penalty`); 0 disables.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in the penalty window (OpenAI's `frequency_penalty`); 0 disables.
+    pub frequency_penalty: f32,
+    /// The window of all three penalties; `<= 0` disables them.
     pub repeat_last_n: i32,
+    /// Added to the logits of these token ids before anything else (`-inf` bans a token).
+    pub logit_bias: Vec<(i32, f32)>,
     pub seed: u64,
 }
 
@@ -53,7 +62,10 @@ impl Default for SamplingParams {
             top_p: 0.95,
             min_p: 0.05,
             repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             repeat_last_n: 64,
+            logit_bias: Vec::new(),
             seed: 0xD1F1A5,
         }
     }
@@ -64,9 +76,10 @@ impl SamplingParams {
         self.temperature <= 0.0
     }
 
-    /// Whether the distribution depends on the history (the repetition penalty is on).
+    /// Whether the distribution depends on the history (a penalty is on).
     pub fn uses_history(&self) -> bool {
-        self.repeat_penalty != 1.0 && self.repeat_last_n > 0
+        self.repeat_last_n > 0
+            && (self.repeat_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
     }
 
     /// p after `history` (only its tail within `repeat_last_n` matters).
@@ -146,31 +159,36 @@ struct PenalisedLogits<'a> {
 
 impl<'a> PenalisedLogits<'a> {
     fn new(logits: &'a [f32], history: &[i32], params: &SamplingParams) -> Self {
-        if params.repeat_last_n <= 0 || params.repeat_penalty == 1.0 {
-            return Self {
-                logits,
-                penalised: Vec::new(),
-            };
+        let in_vocab = |t: i32| usize::try_from(t).ok().filter(|&t| t < logits.len());
+        // (id, bias, count in the penalty window), one entry per id, sorted by id
+        let mut touched: Vec<(usize, f32, u32)> =
+            params.logit_bias.iter().filter_map(|&(t, b)| Some((in_vocab(t)?, b, 0))).collect();
+        if params.uses_history() {
+            let window = &history[history.len().saturating_sub(params.repeat_last_n as usize)..];
+            touched.extend(window.iter().filter_map(|&t| Some((in_vocab(t)?, 0.0, 1))));
         }
-        let window = &history[history.len().saturating_sub(params.repeat_last_n as usize)..];
-        let mut ids: Vec<usize> = window
-            .iter()
-            .filter_map(|&t| usize::try_from(t).ok())
-            .filter(|&t| t < logits.len())
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
-        let penalised = ids
+        if touched.is_empty() {
+            return Self { logits, penalised: Vec::new() };
+        }
+        touched.sort_unstable_by_key(|&(id, ..)| id);
+        touched.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                kept.1 += later.1;
+                kept.2 += later.2;
+            }
+            same
+        });
+        let penalised = touched
             .into_iter()
-            .map(|id| {
-                let logit = logits[id];
-                // Dividing a negative logit would raise its probability, hence llama.cpp's sign split.
-                let penalised = if logit <= 0.0 {
-                    logit * params.repeat_penalty
-                } else {
-                    logit / params.repeat_penalty
-                };
-                (id, penalised)
+            .map(|(id, bias, count)| {
+                let mut logit = logits[id] + bias;
+                if count > 0 {
+                    // Dividing a negative logit would raise its probability, hence llama.cpp's sign split.
+                    logit = if logit <= 0.0 { logit * params.repeat_penalty } else { logit / params.repeat_penalty };
+                    logit -= count as f32 * params.frequency_penalty + params.presence_penalty;
+                }
+                (id, logit)
             })
             .collect();
         Self { logits, penalised }
@@ -587,6 +605,33 @@ mod tests {
             target_distribution(&logits, &history, &no_window).prob(1),
             softmax(&logits)[1]
         );
+    }
+
+    #[test]
+    fn logit_bias_comes_first_then_presence_and_frequency_per_count() {
+        let logits = [2.0, 1.0, 0.5, -1.0];
+        let params = SamplingParams {
+            repeat_penalty: 2.0,
+            presence_penalty: 0.25,
+            frequency_penalty: 0.5,
+            repeat_last_n: 4,
+            // two entries for token 2 add up; token 3 is banned; out-of-vocabulary ids do nothing
+            logit_bias: vec![(2, 1.0), (2, 1.0), (3, f32::NEG_INFINITY), (9, 5.0), (-1, 5.0)],
+            ..sampled(1.0, 0, 1.0, 0.0)
+        };
+        // window [1, 1, 2, 0]: token 1 twice, tokens 0 and 2 once
+        let history = [3, 1, 1, 2, 0];
+        let dist = target_distribution(&logits, &history, &params);
+        let t0 = 2.0 / 2.0 - 0.5 - 0.25; // divided (positive), one occurrence
+        let t1 = 1.0 / 2.0 - 2.0 * 0.5 - 0.25; // two occurrences
+        let t2 = (0.5 + 2.0) / 2.0 - 0.5 - 0.25; // biased before the penalty
+        let p = softmax(&[t0, t1, t2]);
+        assert_probs(&dist, &[(2, p[2]), (0, p[0]), (1, p[1])]);
+        assert_eq!(dist.prob(3), 0.0, "a token biased by -inf is banned");
+        // a bias alone (no penalty) still moves the greedy choice, with no history read
+        let biased = SamplingParams { logit_bias: vec![(1, 2.0)], ..SamplingParams::default() };
+        assert!(!biased.uses_history());
+        assert_eq!(target_distribution(&logits, &[], &biased).argmax(), 1);
     }
 
     #[test]

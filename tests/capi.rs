@@ -198,9 +198,7 @@ fn engine_reply(prompt: &str, n_predict: usize) -> String {
     let mut cfg = EngineConfig::new(model("target.gguf"), Some(model("drafter-dflash2.gguf")));
     cfg.n_ctx = 2048;
     let mut engine = Engine::load(&cfg).unwrap();
-    let msg = dflash2::llama::ChatMessage { role: "user".into(), content: prompt.into() };
-    let text = engine.model().apply_chat_template(&[msg], true).unwrap();
-    let tokens = engine.model().tokenize(&text, true, true).unwrap();
+    let tokens = common::chat_prompt(engine.model(), prompt);
     let block = engine.drafter().unwrap().trained_block();
     let opts = GenerateOptions { n_predict, block, ..GenerateOptions::default() };
     engine.generate(&tokens, &opts, |_| true).unwrap().text

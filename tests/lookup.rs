@@ -5,7 +5,7 @@
 mod common;
 
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
-use dflash2::llama::{ChatMessage, Model, Token};
+use common::chat_prompt;
 use std::path::{Path, PathBuf};
 
 /// Requests that quote what the answer repeats: code to change, JSON to transform.
@@ -19,10 +19,6 @@ const EDITING: [&str; 3] = [
 /// beside the look-up (else the look-up drafts alone).
 type Mode = (SelectMode, usize, bool);
 
-fn chat_prompt(target: &Model, text: &str) -> Vec<Token> {
-    let msgs = [ChatMessage { role: "user".into(), content: text.into() }];
-    target.tokenize(&target.apply_chat_template(&msgs, true).unwrap(), true, true).unwrap()
-}
 
 /// Every mode with `lookup` gives plain decoding's tokens on every editing prompt; returns
 /// the look-up tokens the target took over all of them (the test must exercise the look-up).

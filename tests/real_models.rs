@@ -5,7 +5,9 @@
 mod common;
 
 use dflash2::engine::{CacheTypes, Engine, EngineConfig, GenerateOptions, SelectMode};
-use dflash2::llama::{CacheType, ChatMessage, Model, Token};
+use dflash2::llama::{CacheType, ChatMessage, Model};
+use dflash2::template::{ChatTemplate, TemplateChoice};
+use common::chat_prompt;
 use std::path::Path;
 
 const PROMPTS: [&str; 5] = [
@@ -81,10 +83,26 @@ fn fixed_prompts() -> Vec<String> {
     PROMPTS.iter().map(|p| p.to_string()).collect()
 }
 
-fn chat_prompt(target: &Model, text: &str) -> Vec<Token> {
-    let msgs = [ChatMessage { role: "user".into(), content: text.into() }];
-    let rendered = target.apply_chat_template(&msgs, true).unwrap();
-    target.tokenize(&rendered, true, true).unwrap()
+
+/// Chat prompts are the GGUF's own Jinja template, as llama-server and Hugging Face render it:
+/// SmolLM2's adds its default system message, which llama.cpp's template heuristic leaves out.
+#[test]
+fn smollm2_chat_prompt_is_its_jinja_template() {
+    let target = Model::load(&common::real_model(common::SMOLLM2), &Default::default()).unwrap();
+    let template = ChatTemplate::new(&target, &TemplateChoice::Model).unwrap();
+    assert!(template.is_jinja());
+    let msgs = [ChatMessage { role: "user".into(), content: "hi".into() }];
+    let system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n";
+    let turn = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(template.render(&msgs, true).unwrap(), format!("{system}{turn}"));
+    let heuristic = dflash2::llama::apply_llama_template(template.source(), &msgs, true).unwrap();
+    assert_eq!(heuristic, turn, "llama.cpp's heuristic rendering changed");
+    // A system message of the user's replaces the default one; a built-in name renders with llama.cpp.
+    let with_system = [ChatMessage { role: "system".into(), content: "Be brief.".into() }, msgs[0].clone()];
+    assert_eq!(template.render(&with_system, true).unwrap(), format!("<|im_start|>system\nBe brief.<|im_end|>\n{turn}"));
+    let chatml = ChatTemplate::new(&target, &TemplateChoice::Given("chatml".into())).unwrap();
+    assert!(!chatml.is_jinja());
+    assert_eq!(chatml.render(&msgs, true).unwrap(), turn);
 }
 
 #[test]

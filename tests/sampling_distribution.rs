@@ -5,7 +5,7 @@
 mod common;
 
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
-use dflash2::llama::{ChatMessage, Model, ModelParams, Token};
+use dflash2::llama::{Model, ModelParams, Token};
 use dflash2::sampling::SamplingParams;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -27,9 +27,7 @@ fn smollm2_fixture(text: &str) -> Fixture {
     let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter_path));
     let (target, drafter) = Engine::load_models(&cfg).unwrap();
     let drafter = drafter.unwrap();
-    let msgs = [ChatMessage { role: "user".into(), content: text.into() }];
-    let rendered = target.apply_chat_template(&msgs, true).unwrap();
-    let prompt = target.tokenize(&rendered, true, true).unwrap();
+    let prompt = common::chat_prompt(&target, text);
     Fixture { target, drafter, prompt }
 }
 

@@ -652,6 +652,97 @@ fn lookup_drafts_from_the_context_and_keeps_the_answer() {
     assert!(lookup["timings"]["draft_n"].as_u64().unwrap() > 0, "the look-up drafted nothing: {lookup}");
 }
 
+/// Chat prompts are the Jinja template's rendering (`--chat-template-file` here; the GGUF's own by
+/// default), `/apply-template` shows it, and a template that refuses the messages
+/// (`raise_exception`) gets a 400 naming `messages` with the template's own words.
+#[test]
+fn chat_templates_render_as_jinja_and_refusals_name_the_messages() {
+    let default = Server::start("template-default", &[]);
+    let v = default.post_ok("/apply-template", json!({ "messages": [{ "role": "user", "content": "hi" }] }));
+    assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    drop(default);
+
+    let template = "{%- if messages[0]['role'] != 'system' %}{{ raise_exception('the first message must be the system message') }}{% endif %}\n\
+{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}\n\
+{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let file = common::scratch_dir("server-template").join("system-first.jinja");
+    std::fs::write(&file, template).unwrap();
+    let server = Server::start("template-file", &["--chat-template-file", file.to_str().unwrap()]);
+    let (_, props) = server.get("/props");
+    assert_eq!(serde_json::from_str::<Value>(&props).unwrap()["chat_template"], template);
+
+    let messages = json!([{ "role": "system", "content": " Be brief. " }, { "role": "user", "content": "hi" }]);
+    let v = server.post_ok("/apply-template", json!({ "messages": messages }));
+    let prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(v["prompt"], prompt);
+    let tokens = server.post_ok("/tokenize", json!({ "content": prompt }));
+    let chat = server.post_ok("/v1/chat/completions", json!({ "messages": messages, "max_tokens": 4 }));
+    assert_eq!(chat["usage"]["prompt_tokens"], tokens["tokens"].as_array().unwrap().len(), "{chat}");
+
+    for route in ["/v1/chat/completions", "/apply-template"] {
+        let body = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4 });
+        let (code, v) = server.post(route, &body.to_string());
+        assert_eq!(code, 400, "{route}: {v}");
+        assert_eq!(v["error"]["param"], "messages", "{route}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains("the first message must be the system message"), "{route}: {message}");
+    }
+    server.assert_healthy("after refused templates");
+}
+
+/// Penalties and logit biases arrive (they change the answer) and stay lossless with a drafter;
+/// fields this server does not build pass at their neutral values (as llama.cpp's web UI sends
+/// them) and are refused by name otherwise.
+#[test]
+fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
+    let d = drafter();
+    let spec = Server::start("fields-spec", &["-d", &d, "--block", "4"]);
+    let plain = Server::start("fields-plain", &[]);
+    let ask = |server: &Server, extra: Value| {
+        let mut body = json!({ "prompt": "Once upon a time", "n_predict": 24, "return_tokens": true });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        server.post_ok("/completion", body)["tokens"].clone()
+    };
+    let free = ask(&plain, json!({}));
+    let first = free[0].as_i64().unwrap();
+    let text: String = plain.post_ok("/detokenize", json!({ "tokens": [first] }))["content"].as_str().unwrap().into();
+    let cases = [
+        json!({ "logit_bias": { first.to_string(): -100 } }),         // OpenAI's shape
+        json!({ "logit_bias": [[first, false]] }),                    // llama-server's, banned
+        json!({ "logit_bias": [[text, false]] }),                     // by its text
+        json!({ "frequency_penalty": 1.5, "presence_penalty": 0.5 }),
+        json!({ "presence_penalty": -1.25, "repeat_penalty": 1.1, "repeat_last_n": 16 }),
+    ];
+    for extra in cases {
+        let (a, b) = (ask(&plain, extra.clone()), ask(&spec, extra.clone()));
+        assert_eq!(a, b, "speculative decoding changed the answer with {extra}");
+        assert_ne!(a, free, "{extra} changed nothing");
+        if extra.get("logit_bias").is_some() {
+            assert_ne!(a[0].as_i64(), Some(first), "{extra}: the banned token came first");
+        }
+    }
+    let webui = json!({ "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
+        "dynatemp_range": 0.0, "n_probs": 0, "cache_prompt": true, "samplers": "edkypmxt", "id_slot": -1 });
+    assert_eq!(ask(&spec, webui), free, "neutral values changed the answer");
+    for (body, field) in [
+        (r#"{"prompt": "hi", "typical_p": 0.5}"#, "typical_p"),
+        (r#"{"prompt": "hi", "mirostat": 2}"#, "mirostat"),
+        (r#"{"prompt": "hi", "grammar": "root ::= \"a\""}"#, "grammar"),
+        (r#"{"prompt": "hi", "samplers": ["temperature", "top_k"]}"#, "samplers"),
+        (r#"{"prompt": "hi", "logit_bias": {"999999999": 1}}"#, "logit_bias"),
+        (r#"{"prompt": "hi", "logit_bias": {"1": "a lot"}}"#, "logit_bias"),
+        (r#"{"prompt": "hi", "frequency_penalty": 2.5}"#, "frequency_penalty"),
+    ] {
+        let (code, v) = spec.post("/completion", body);
+        assert_eq!(code, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], field, "{body}: {v}");
+    }
+    let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "response_format": { "type": "json_object" } });
+    let (code, v) = spec.post("/v1/chat/completions", &chat.to_string());
+    assert_eq!((code, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
+    spec.assert_healthy("after refused fields");
+}
+
 #[test]
 fn an_api_key_guards_everything_but_health() {
     let key = "sk-test-1234";

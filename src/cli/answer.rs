@@ -54,6 +54,8 @@ pub struct AnswerArgs {
     /// Stop after this many answers (0: all).
     #[arg(long, default_value_t = 0)]
     pub limit: usize,
+    #[command(flatten)]
+    pub template: super::TemplateArgs,
 }
 
 /// One answer to write: which prompt row, which sample.
@@ -87,6 +89,7 @@ pub fn run(args: &AnswerArgs) -> Result<()> {
     cfg.n_slots = args.parallel;
     let mut engine = Engine::load(&cfg)?;
     let model = engine.model().clone();
+    let template = args.template.load(&model)?;
     let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&args.out)?;
 
     let mut slots: Vec<Option<(Job, Run)>> = (0..args.parallel).map(|_| None).collect();
@@ -100,7 +103,7 @@ pub fn run(args: &AnswerArgs) -> Result<()> {
             }
             let Some(job) = todo.pop_front() else { break };
             let msgs = [ChatMessage { role: "user".into(), content: job.row["prompt"].as_str().unwrap_or_default().into() }];
-            let prompt = model.tokenize(&model.apply_chat_template(&msgs, true)?, true, true)?;
+            let prompt = template.tokens(&model, &msgs)?;
             let mut opts = GenerateOptions { n_predict: args.n_predict, select: SelectMode::None, ..Default::default() };
             if job.sample > 0 {
                 opts.sampling.temperature = args.temp;

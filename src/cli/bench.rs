@@ -209,6 +209,7 @@ fn record(r: &mut ModeResult, g: &Generation, tps: f64) {
 }
 
 fn read_prompts(args: &BenchArgs, target: &Model) -> anyhow::Result<Vec<Vec<Token>>> {
+    let template = if args.chat { Some(args.models.template.load(target)?) } else { None };
     let text = std::fs::read_to_string(&args.prompts)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", args.prompts.display()))?;
     let mut prompts = Vec::new();
@@ -218,9 +219,9 @@ fn read_prompts(args: &BenchArgs, target: &Model) -> anyhow::Result<Vec<Vec<Toke
         let p = v["prompt"]
             .as_str()
             .ok_or_else(|| anyhow::anyhow!("{} line {}: no \"prompt\" string", args.prompts.display(), i + 1))?;
-        let tokens = if args.chat {
+        let tokens = if let Some(template) = &template {
             let msgs = [ChatMessage { role: "user".into(), content: p.into() }];
-            target.tokenize(&target.apply_chat_template(&msgs, true)?, true, true)?
+            template.tokens(target, &msgs)?
         } else {
             target.tokenize(p, true, false)?
         };

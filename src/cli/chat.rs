@@ -5,6 +5,7 @@
 use crate::text::Utf8Stream;
 use crate::engine::{Engine, FinishReason, GenerateOptions, Stats};
 use crate::llama::ChatMessage;
+use crate::template::ChatTemplate;
 use rustyline::error::ReadlineError;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,12 +25,7 @@ pub struct ChatArgs {
 
 pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let engine = args.engine.load()?;
-    if engine.model().chat_template().is_none() {
-        anyhow::bail!(
-            "{} has no chat template: use `dflash2 generate` for plain completions",
-            args.engine.models.model.display()
-        );
-    }
+    let template = args.engine.models.template.load(engine.model())?;
     let opts = args.engine.options(&engine, args.n_predict, Vec::new())?;
 
     // Ctrl-C during a reply stops the reply; at the prompt the terminal is in raw mode, so
@@ -38,7 +34,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let flag = interrupted.clone();
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
 
-    let mut chat = Chat { engine, opts, system: args.system.clone(), messages: Vec::new(), last: None };
+    let mut chat = Chat { engine, template, opts, system: args.system.clone(), messages: Vec::new(), last: None };
     chat.reset()?;
     let mut editor = rustyline::DefaultEditor::new()?;
     eprintln!("dflash2 chat: /reset forgets the conversation, /stats shows the last reply's statistics, /quit leaves");
@@ -75,6 +71,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
 
 struct Chat {
     engine: Engine,
+    template: ChatTemplate,
     opts: GenerateOptions,
     system: Option<String>,
     messages: Vec<ChatMessage>,
@@ -106,8 +103,7 @@ impl Chat {
 
     fn generate(&mut self, interrupted: &AtomicBool) -> anyhow::Result<String> {
         let model = self.engine.model().clone();
-        let rendered = model.apply_chat_template(&self.messages, true)?;
-        let prompt = model.tokenize(&rendered, true, true)?;
+        let prompt = self.template.tokens(&model, &self.messages)?;
         let mut stdout = std::io::stdout().lock();
         let mut utf8 = Utf8Stream::default();
         let gen = self.engine.generate(&prompt, &self.opts, |tokens| {

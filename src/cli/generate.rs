@@ -36,7 +36,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             messages.push(ChatMessage { role: "system".into(), content: s.clone() });
         }
         messages.push(ChatMessage { role: "user".into(), content: args.prompt.clone() });
-        engine.model().apply_chat_template(&messages, true)?
+        args.engine.models.template.load(engine.model())?.render(&messages, true)?
     } else {
         args.prompt.clone()
     };

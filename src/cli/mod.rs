@@ -140,9 +140,18 @@ pub struct SamplingArgs {
     /// Repetition penalty (1 disables).
     #[arg(long = "repeat-penalty", default_value_t = 1.0)]
     pub repeat_penalty: f32,
-    /// Tokens the repetition penalty looks back over.
+    /// Tokens the penalties look back over.
     #[arg(long = "repeat-last-n", default_value_t = 64)]
     pub repeat_last_n: i32,
+    /// Subtracted once from the logit of each token in the penalty window (0 disables).
+    #[arg(long = "presence-penalty", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in the penalty window (0 disables).
+    #[arg(long = "frequency-penalty", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Bias a token's logit, as llama.cpp's `-l`: `15043+1`, `15043-0.5`, `15043-inf` (repeatable).
+    #[arg(short = 'l', long = "logit-bias", value_parser = parse_logit_bias)]
+    pub logit_bias: Vec<(i32, f32)>,
     /// Random seed.
     #[arg(long = "seed", default_value_t = 0xD1F1A5)]
     pub seed: u64,
@@ -156,10 +165,25 @@ impl SamplingArgs {
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             repeat_last_n: self.repeat_last_n,
+            logit_bias: self.logit_bias.clone(),
             seed: self.seed,
         }
     }
+}
+
+/// `ID+BIAS` or `ID-BIAS` (llama.cpp's `--logit-bias` syntax; `inf` allowed).
+fn parse_logit_bias(s: &str) -> Result<(i32, f32), String> {
+    let bad = || format!("{s:?}: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS, e.g. 15043+1 or 15043-inf");
+    let at = s.find(['+', '-']).filter(|&i| i > 0).ok_or_else(bad)?;
+    let id: i32 = s[..at].parse().map_err(|_| bad())?;
+    let bias: f32 = s[at..].parse().map_err(|_| bad())?;
+    if bias.is_nan() || bias == f32::INFINITY {
+        return Err(bad());
+    }
+    Ok((id, bias))
 }
 
 /// `--block N` or `--block auto`.
@@ -231,6 +255,38 @@ pub struct ModelArgs {
     /// Never repack the target's weights (llama.cpp's `--no-repack`).
     #[arg(long)]
     pub no_repack: bool,
+    #[command(flatten)]
+    pub template: TemplateArgs,
+}
+
+/// Which chat template renders messages (as llama-server's flags).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct TemplateArgs {
+    /// Chat template: one of llama.cpp's built-in names (chatml, llama3, ...) or a Jinja
+    /// template's text (default: the target's own, from its GGUF).
+    #[arg(long = "chat-template", conflicts_with = "chat_template_file")]
+    pub chat_template: Option<String>,
+    /// Chat template read from a Jinja file.
+    #[arg(long = "chat-template-file")]
+    pub chat_template_file: Option<std::path::PathBuf>,
+}
+
+impl TemplateArgs {
+    pub fn choice(&self) -> anyhow::Result<crate::template::TemplateChoice> {
+        use crate::template::TemplateChoice;
+        Ok(match (&self.chat_template, &self.chat_template_file) {
+            (Some(t), _) => TemplateChoice::Given(t.clone()),
+            (None, Some(path)) => TemplateChoice::Given(
+                std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?,
+            ),
+            (None, None) => TemplateChoice::Model,
+        })
+    }
+
+    /// The chat template these flags choose for `model`.
+    pub fn load(&self, model: &crate::llama::Model) -> anyhow::Result<crate::template::ChatTemplate> {
+        Ok(crate::template::ChatTemplate::new(model, &self.choice()?)?)
+    }
 }
 
 /// llama.cpp spells some long flags with one dash (`-ctk q8_0`); clap cannot, so they are
@@ -365,6 +421,10 @@ impl EngineArgs {
     ) -> anyhow::Result<crate::engine::GenerateOptions> {
         let select = self.draft.select(engine.drafter().is_some())?;
         let (block, adaptive) = self.draft.block(select, engine.drafter().map(|d| d.trained_block()))?;
+        let n_vocab = engine.model().n_vocab();
+        if let Some((id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| !(0..n_vocab as i32).contains(id)) {
+            anyhow::bail!("--logit-bias: token {id} is outside the vocabulary (0..{n_vocab})");
+        }
         Ok(crate::engine::GenerateOptions {
             n_predict,
             select,

@@ -57,6 +57,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     spinner.finish_and_clear();
     let scheduler = scheduler?;
     let (block, adaptive) = args.draft.block(select, scheduler.info().trained_block)?;
+    let template = Arc::new(args.models.template.load(&scheduler.info().target)?);
     let state = Arc::new(AppState {
         scheduler,
         metrics,
@@ -72,6 +73,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             lookup_ngram: args.draft.lookup_ngram,
             sampling: args.sampling.params(),
         },
+        template,
     });
     let router = server::router(state, args.max_body);
 

@@ -230,47 +230,64 @@ impl Model {
         Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
     }
 
-    /// Render `messages` with the model's chat template, ending with the assistant's turn.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_assistant: bool) -> Result<String> {
-        let tmpl = self
-            .chat_template()
-            .ok_or_else(|| LlamaError::ChatTemplate(format!("{} has no chat template", self.path)))?;
-        let ctmpl = CString::new(tmpl).map_err(|_| LlamaError::ChatTemplate("template has a NUL byte".into()))?;
-        let owned: Vec<(CString, CString)> = messages
-            .iter()
-            .map(|m| Ok((CString::new(m.role.as_str())?, CString::new(m.content.as_str())?)))
-            .collect::<std::result::Result<_, std::ffi::NulError>>()
-            .map_err(|_| LlamaError::ChatTemplate("a message contains a NUL byte".into()))?;
-        let msgs: Vec<sys::llama_chat_message> = owned
-            .iter()
-            .map(|(r, c)| sys::llama_chat_message { role: r.as_ptr(), content: c.as_ptr() })
-            .collect();
-        let total: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
-        let mut buf = vec![0u8; 2 * total + 256];
-        for _ in 0..2 {
-            let n = unsafe {
-                sys::llama_chat_apply_template(
-                    ctmpl.as_ptr(),
-                    msgs.as_ptr(),
-                    msgs.len(),
-                    add_assistant,
-                    buf.as_mut_ptr().cast(),
-                    buf.len() as i32,
-                )
-            };
-            if n < 0 {
-                return Err(LlamaError::ChatTemplate(
-                    "llama.cpp does not support this model's chat template".into(),
-                ));
-            }
-            if (n as usize) <= buf.len() {
-                buf.truncate(n as usize);
-                return String::from_utf8(buf).map_err(|_| LlamaError::ChatTemplate("not UTF-8".into()));
-            }
-            buf.resize(n as usize, 0);
-        }
-        Err(LlamaError::ChatTemplate("template output kept growing".into()))
+    /// The text of the vocabulary's BOS and EOS tokens, and whether tokenizing with
+    /// `add_special` adds BOS itself (a rendered template then must not start with it too).
+    pub fn special_texts(&self) -> (String, String, bool) {
+        let text = |t: Token| String::from_utf8_lossy(&self.token_bytes(t, true)).into_owned();
+        let v = self.vocab.as_ptr();
+        let (bos, eos) = unsafe { (sys::llama_vocab_bos(v), sys::llama_vocab_eos(v)) };
+        let add_bos = unsafe { sys::llama_vocab_get_add_bos(v) };
+        (if bos >= 0 { text(bos) } else { String::new() }, if eos >= 0 { text(eos) } else { String::new() }, add_bos)
     }
+}
+
+/// Render `messages` with llama.cpp's own template code: `tmpl` is one of its built-in
+/// names ([`builtin_chat_templates`]) or a template it recognises by its text.
+pub fn apply_llama_template(tmpl: &str, messages: &[ChatMessage], add_assistant: bool) -> Result<String> {
+    let ctmpl = CString::new(tmpl).map_err(|_| LlamaError::ChatTemplate("template has a NUL byte".into()))?;
+    let owned: Vec<(CString, CString)> = messages
+        .iter()
+        .map(|m| Ok((CString::new(m.role.as_str())?, CString::new(m.content.as_str())?)))
+        .collect::<std::result::Result<_, std::ffi::NulError>>()
+        .map_err(|_| LlamaError::ChatTemplate("a message contains a NUL byte".into()))?;
+    let msgs: Vec<sys::llama_chat_message> = owned
+        .iter()
+        .map(|(r, c)| sys::llama_chat_message { role: r.as_ptr(), content: c.as_ptr() })
+        .collect();
+    let total: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
+    let mut buf = vec![0u8; 2 * total + 256];
+    for _ in 0..2 {
+        let n = unsafe {
+            sys::llama_chat_apply_template(
+                ctmpl.as_ptr(),
+                msgs.as_ptr(),
+                msgs.len(),
+                add_assistant,
+                buf.as_mut_ptr().cast(),
+                buf.len() as i32,
+            )
+        };
+        if n < 0 {
+            return Err(LlamaError::ChatTemplate(
+                format!("llama.cpp does not know the chat template {:?}", tmpl.chars().take(60).collect::<String>()),
+            ));
+        }
+        if (n as usize) <= buf.len() {
+            buf.truncate(n as usize);
+            return String::from_utf8(buf).map_err(|_| LlamaError::ChatTemplate("not UTF-8".into()));
+        }
+        buf.resize(n as usize, 0);
+    }
+    Err(LlamaError::ChatTemplate("template output kept growing".into()))
+}
+
+/// The names of llama.cpp's built-in chat templates (`chatml`, `llama3`, ...).
+pub fn builtin_chat_templates() -> Vec<String> {
+    let n = unsafe { sys::llama_chat_builtin_templates(std::ptr::null_mut(), 0) };
+    let mut names: Vec<*const std::os::raw::c_char> = vec![std::ptr::null(); n.max(0) as usize];
+    let n = unsafe { sys::llama_chat_builtin_templates(names.as_mut_ptr(), names.len()) };
+    names.truncate(n.max(0) as usize);
+    names.iter().map(|&p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()).collect()
 }
 
 /// Weight types `quantize` writes: (name, llama.cpp's file type).

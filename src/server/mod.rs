@@ -4,6 +4,7 @@
 //! [`GenerateOptions`](crate::engine::GenerateOptions), and hand it to the [`Scheduler`],
 //! whose slots run the engines on their own threads and answer through channels.
 pub mod errors;
+pub mod fields;
 pub mod metrics;
 pub mod routes;
 pub mod scheduler;
@@ -12,6 +13,7 @@ pub mod types;
 use crate::engine::SelectMode;
 use crate::llama::Model;
 use crate::sampling::SamplingParams;
+use crate::template::ChatTemplate;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::{middleware, Router};
@@ -43,6 +45,8 @@ pub struct AppState {
     pub drafter_path: Option<String>,
     pub api_key: Option<String>,
     pub defaults: Defaults,
+    /// Renders chat messages into the prompt (the target's own Jinja template by default).
+    pub template: Arc<ChatTemplate>,
 }
 
 impl AppState {
@@ -72,6 +76,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/completions", post(routes::completions))
         .route("/completion", post(routes::llama_completion))
+        .route("/apply-template", post(routes::apply_template))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
         .route("/props", get(routes::props))

@@ -49,7 +49,9 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Sampled<T> {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let body = Bytes::from_request(req, state).await?;
-        Ok(Self(parse_body(&body)?, parse_body(&body)?))
+        let (request, sampling) = (parse_body(&body)?, parse_body(&body)?);
+        super::fields::refuse_unbuilt(&parse_body(&body)?)?;
+        Ok(Self(request, sampling))
     }
 }
 
@@ -135,7 +137,7 @@ pub async fn props(State(s): Shared) -> Json<Props> {
         total_slots: s.scheduler.slots(),
         model_path: s.model().path().to_string(),
         drafter_path: s.drafter_path.clone(),
-        chat_template: s.model().chat_template(),
+        chat_template: s.template.source().to_string(),
         build_info: format!("dflash2 {}", env!("CARGO_PKG_VERSION")),
     })
 }
@@ -173,9 +175,7 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
     one_choice(req.n)?;
     let opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
-    let messages = chat_messages(req.messages)?;
-    let model = s.model().clone();
-    let prompt = blocking(move || model.tokenize(&model.apply_chat_template(&messages, true)?, true, true)).await?;
+    let prompt = chat_prompt(&s, req.messages).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let reply = Reply::new(&s, "chatcmpl", Shape::Chat { include_usage });
     generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
@@ -265,6 +265,12 @@ fn options(
         top_p: unit("top_p", f.top_p, 0.0, 1.0, d.top_p)?,
         min_p: unit("min_p", f.min_p, 0.0, 1.0, d.min_p)?,
         repeat_penalty: unit("repeat_penalty", f.repeat_penalty, 0.01, 10.0, d.repeat_penalty)?,
+        presence_penalty: unit("presence_penalty", f.presence_penalty, -2.0, 2.0, d.presence_penalty)?,
+        frequency_penalty: unit("frequency_penalty", f.frequency_penalty, -2.0, 2.0, d.frequency_penalty)?,
+        logit_bias: match &f.logit_bias {
+            None => d.logit_bias.clone(),
+            given => super::fields::logit_bias(given.as_ref(), s.model())?,
+        },
         repeat_last_n: match f.repeat_last_n {
             None => d.repeat_last_n,
             Some(-1) => n_ctx as i32, // llama.cpp's "the whole context"
@@ -277,6 +283,7 @@ fn options(
             Some(n) => n as u64,
         },
     };
+    super::fields::check_samplers(f.samplers.as_ref(), &sampling)?;
     let lookup = f.lookup.unwrap_or(s.defaults.lookup);
     let max_ngram = crate::draft::lookup::MAX_NGRAM as i64;
     let lookup_ngram = match f.lookup_ngram {
@@ -303,6 +310,26 @@ fn options(
         sampling,
         ..GenerateOptions::default()
     })
+}
+
+/// `POST /apply-template` (llama-server's): the prompt text a chat request would decode.
+pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ApplyTemplateRequest>) -> Result<Json<PromptText>, ApiError> {
+    let messages = chat_messages(req.messages)?;
+    let prompt = s.template.render(&messages, true).map_err(template_refused)?;
+    Ok(Json(PromptText { prompt }))
+}
+
+/// The prompt tokens of a chat request, rendered with the served template.
+async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>) -> Result<Vec<Token>, ApiError> {
+    let messages = chat_messages(messages)?;
+    let (model, template) = (s.model().clone(), s.template.clone());
+    let text = template.render(&messages, true).map_err(template_refused)?;
+    blocking(move || model.tokenize(&text, true, true)).await
+}
+
+/// The template's own refusal (`raise_exception`) names the messages as the field at fault.
+fn template_refused(e: LlamaError) -> ApiError {
+    ApiError::invalid_param("messages", format!("the chat template refused the messages: {e}"))
 }
 
 fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {

@@ -20,7 +20,13 @@ pub struct SamplingFields {
     pub top_p: Option<f32>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
     pub repeat_last_n: Option<i32>,
+    /// OpenAI's `{"id": bias}` or llama-server's `[[id or text, bias or false]]` (`fields::logit_bias`).
+    pub logit_bias: Option<serde_json::Value>,
+    /// llama.cpp's sampler order, checked against this server's (`fields::check_samplers`).
+    pub samplers: Option<serde_json::Value>,
     /// Negative: a random seed (llama.cpp's -1).
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
@@ -131,6 +137,12 @@ pub struct TokenizeRequest {
 
 fn yes() -> bool {
     true
+}
+
+/// llama-server's `POST /apply-template`.
+#[derive(Debug, Deserialize)]
+pub struct ApplyTemplateRequest {
+    pub messages: Vec<ChatMessageIn>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -335,8 +347,14 @@ pub struct Props {
     pub total_slots: usize,
     pub model_path: String,
     pub drafter_path: Option<String>,
-    pub chat_template: Option<String>,
+    pub chat_template: String,
     pub build_info: String,
+}
+
+/// `POST /apply-template`'s answer.
+#[derive(Debug, Serialize)]
+pub struct PromptText {
+    pub prompt: String,
 }
 
 #[derive(Debug, Serialize)]

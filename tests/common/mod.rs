@@ -50,3 +50,11 @@ pub const PROMPTS: [&str; 20] = [
     "Water boils at",
     "The best way to learn a language is",
 ];
+
+/// The prompt tokens of one user message, rendered with the target's own chat template as every
+/// chat path (CLI, server, C ABI) renders it.
+pub fn chat_prompt(target: &dflash2::llama::Model, text: &str) -> Vec<dflash2::llama::Token> {
+    let msgs = [dflash2::llama::ChatMessage { role: "user".into(), content: text.into() }];
+    let template = dflash2::template::ChatTemplate::new(target, &dflash2::template::TemplateChoice::Model).unwrap();
+    template.tokens(target, &msgs).unwrap()
+}
