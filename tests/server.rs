@@ -272,6 +272,11 @@ fn the_openai_client_gets_chat_completions_and_streams() {
         assert_ne!(texts[0], r[route]["text"], "{route}: the T = 0.7 text equals the greedy one");
     }
     assert_eq!(r["temperature_too_high"], json!({ "status": 400, "param": "temperature" }));
+    // penalties and biases arrive; a JSON response format (not built) is refused by name
+    let (greedy, biased) = (r["chat"]["text"].as_str().unwrap(), r["biased"].as_str().unwrap());
+    assert_ne!(biased, greedy, "banning token {} changed nothing", r["banned_first"]);
+    assert_ne!(r["penalised"], r["chat"]["text"], "the penalties changed nothing");
+    assert_eq!(r["json_object"], json!({ "status": 400, "param": "response_format" }));
     server.wait_idle();
 }
 
@@ -436,6 +441,8 @@ fn curl_streams_openai_events_ending_with_done() {
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    // as OpenAI and llama-server send it: the first delta's content is there, and null
+    assert_eq!(chunks[0]["choices"][0]["delta"].get("content"), Some(&Value::Null), "{}", chunks[0]);
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "length");
     assert!(last["timings"]["draft_n"].is_number());
@@ -687,7 +694,47 @@ fn chat_templates_render_as_jinja_and_refusals_name_the_messages() {
         let message = v["error"]["message"].as_str().unwrap();
         assert!(message.contains("the first message must be the system message"), "{route}: {message}");
     }
+    // A conversation ending with an assistant message is continued (llama-server's prefill).
+    let prefill = json!([{ "role": "system", "content": "Be brief." }, { "role": "user", "content": "hi" },
+        { "role": "assistant", "content": "Hello, I" }]);
+    let v = server.post_ok("/apply-template", json!({ "messages": prefill }));
+    assert!(v["prompt"].as_str().unwrap().ends_with("<|im_start|>assistant\nHello, I"), "{v}");
+    let mut two = prefill.as_array().unwrap().clone();
+    two.push(json!({ "role": "assistant", "content": "again" }));
+    let (code, v) = server.post("/v1/chat/completions", &json!({ "messages": two }).to_string());
+    assert_eq!((code, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
     server.assert_healthy("after refused templates");
+}
+
+/// llama-server's flags mean what they mean there: `-c` is the context of all slots together,
+/// `-np` the slots, `-n` the limit of a request that sets none; and `/completion` carries its
+/// end-of-answer fields.
+#[test]
+fn llama_server_flags_mean_what_they_mean_there() {
+    let server = Server::start("llama-flags", &["-c", "1024", "-np", "2", "-n", "5"]);
+    let (_, props) = server.get("/props");
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert_eq!(props["total_slots"], 2);
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 512, "{props}");
+    assert_eq!(props["default_generation_settings"]["params"]["n_predict"], 5, "{props}");
+    let v = server.post_ok("/completion", json!({ "prompt": "Once upon a time", "temperature": 0 }));
+    assert!(v["tokens_predicted"].as_u64().unwrap() <= 5, "{v}");
+    for field in ["has_new_line", "truncated"] {
+        assert!(v[field].is_boolean(), "no {field}: {v}");
+    }
+    assert_eq!(v["timings"]["cache_n"], 0, "{v}");
+    let again = server.post_ok("/completion", json!({ "prompt": "Once upon a time", "temperature": 0 }));
+    assert_eq!(again["content"], v["content"]);
+    let v = server.post_ok("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }] }));
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 5, "{v}");
+    drop(server);
+    // A slot smaller than llama.cpp's smallest context is refused at start, not silently enlarged.
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash2"))
+        .args(["serve", "-m", &model("target.gguf"), "-c", "512", "-np", "4", "--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("128 tokens per slot"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// Penalties and logit biases arrive (they change the answer) and stay lossless with a drafter;
@@ -765,6 +812,23 @@ fn an_api_key_guards_everything_but_health() {
     }
     let (code, _) = curl(&["-X", "POST", "-d", r#"{"prompt":"hi","max_tokens":2}"#, &url("/v1/completions")]);
     assert_eq!(code, 401);
+
+    // A browser's CORS preflight carries no key: it is answered, and the origin mirrored.
+    let origin = "http://localhost:5173";
+    let (code, headers) = curl(&[
+        "-X", "OPTIONS", "-D", "-", "-o", "/dev/null",
+        "-H", &format!("Origin: {origin}"),
+        "-H", "Access-Control-Request-Method: POST",
+        "-H", "Access-Control-Request-Headers: authorization, content-type",
+        &url("/v1/chat/completions"),
+    ]);
+    assert_eq!(code, 200, "{headers}");
+    let headers = headers.to_ascii_lowercase();
+    assert!(headers.contains(&format!("access-control-allow-origin: {origin}")), "{headers}");
+    assert!(headers.contains("access-control-allow-headers: authorization, content-type"), "{headers}");
+    let (code, headers) = curl(&["-D", "-", "-H", &format!("Origin: {origin}"), "-H", &format!("X-Api-Key: {key}"), &url("/v1/models")]);
+    assert_eq!(code, 200);
+    assert!(headers.to_ascii_lowercase().contains(&format!("access-control-allow-origin: {origin}")), "{headers}");
 
     let r = openai_scenario(&["auth", &server.base, MODEL, key]);
     assert_eq!(r["with_key"], "length");

@@ -114,6 +114,23 @@ def basic(base, model):
         out["temperature_too_high"] = None
     except openai.BadRequestError as e:
         out["temperature_too_high"] = {"status": e.status_code, "param": e.param}
+    # OpenAI's penalties and logit_bias (its dict of token-id strings) reach the target law: banning
+    # the greedy answer's first token changes how it starts.
+    req = urllib.request.Request(
+        base + "/tokenize", data=json.dumps({"content": out["chat"]["text"]}).encode(), method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+        first = json.load(r)["tokens"][0]
+    out["banned_first"] = first
+    out["biased"] = chat(c, model, messages, False, logit_bias={str(first): -100}, **kw)["text"]
+    out["penalised"] = chat(c, model, messages, True, presence_penalty=0.5, frequency_penalty=1.5, **kw)["text"]
+    try:
+        c.chat.completions.create(
+            model=model, messages=messages, max_tokens=4, response_format={"type": "json_object"}
+        )
+        out["json_object"] = None
+    except openai.BadRequestError as e:
+        out["json_object"] = {"status": e.status_code, "param": e.param}
     # A client configured for another server names its model: one model is served, so it answers.
     r = c.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=4, temperature=0)
     out["other_model"] = {"model": r.model, "tokens": r.usage.completion_tokens}

@@ -10,7 +10,8 @@ use std::sync::Arc;
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
     /// Target, drafter (without it every request is decoded plainly), threads (all slots
-    /// are decoded together by one engine) and the context of EACH slot.
+    /// are decoded together by one engine) and the context of ALL slots together (as
+    /// llama-server's `-c`: each slot gets --ctx-size / --parallel).
     #[command(flatten)]
     pub models: super::ModelArgs,
     /// Address to listen on.
@@ -19,9 +20,13 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port; the chosen address is printed).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Generation slots: requests decoded at the same time, each with a cache of --ctx-size tokens.
-    #[arg(long, short = 'n', default_value_t = 1)]
+    /// Generation slots (`-np`): requests decoded at the same time, each with a cache of
+    /// --ctx-size / --parallel tokens.
+    #[arg(long, default_value_t = 1)]
     pub parallel: usize,
+    /// Tokens a request generates at most when it sets no limit (-1: to the end of its slot's context).
+    #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_negative_numbers = true)]
+    pub n_predict: i64,
     /// Requests that may wait for a slot; past that the server answers 503 (default: 4 x parallel).
     #[arg(long)]
     pub queue: Option<usize>,
@@ -44,11 +49,23 @@ pub struct ServeArgs {
     pub sampling: super::SamplingArgs,
 }
 
+/// llama.cpp pads a context to 256 cells: a smaller slot would silently get more.
+const MIN_SLOT_CTX: usize = 256;
+
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.parallel >= 1, "--parallel must be at least 1");
     let select = args.draft.select(args.models.drafter.is_some())?;
     let drafter = if select == SelectMode::None { None } else { args.models.drafter.clone() };
-    let cfg = args.models.config(drafter.clone());
+    let mut cfg = args.models.config(drafter.clone());
+    cfg.n_ctx = args.models.ctx_size / args.parallel;
+    anyhow::ensure!(
+        cfg.n_ctx >= MIN_SLOT_CTX,
+        "--ctx-size {} over {} slots leaves {} tokens per slot; llama.cpp needs at least {MIN_SLOT_CTX}",
+        args.models.ctx_size,
+        args.parallel,
+        cfg.n_ctx
+    );
+    anyhow::ensure!(args.n_predict >= -1 && args.n_predict != 0, "--n-predict must be -1 or a positive count");
 
     let metrics = Arc::new(Metrics::default());
     let queue = args.queue.unwrap_or(4 * args.parallel);
@@ -72,6 +89,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             lookup: args.draft.lookup,
             lookup_ngram: args.draft.lookup_ngram,
             sampling: args.sampling.params(),
+            n_predict: usize::try_from(args.n_predict).ok(),
         },
         template,
     });

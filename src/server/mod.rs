@@ -33,6 +33,8 @@ pub struct Defaults {
     pub lookup: bool,
     pub lookup_ngram: usize,
     pub sampling: SamplingParams,
+    /// Tokens a request without a limit generates at most (`-n`; None: to the end of the context).
+    pub n_predict: Option<usize>,
 }
 
 /// Everything the handlers share.
@@ -92,7 +94,21 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(cors())
         .with_state(state)
+}
+
+/// Browser front-ends on any origin may call the server, as with llama-server: the request's
+/// origin is mirrored, and preflight requests are answered before the API key is asked for
+/// (browsers send no credentials with them).
+fn cors() -> tower_http::cors::CorsLayer {
+    use axum::http::Method;
+    use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+    CorsLayer::new()
+        .allow_origin(AllowOrigin::mirror_request())
+        .allow_credentials(true)
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers(AllowHeaders::mirror_request())
 }
 
 /// Serve until Ctrl-C or SIGTERM; requests in progress are answered first.

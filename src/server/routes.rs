@@ -124,7 +124,7 @@ pub async fn props(State(s): Shared) -> Json<Props> {
     Json(Props {
         default_generation_settings: GenerationSettings {
             n_ctx: s.n_ctx(),
-            params: SamplingDefaults { n_predict: -1, sampling: p.clone() },
+            params: SamplingDefaults { n_predict: s.defaults.n_predict.map_or(-1, |n| n as i64), sampling: p.clone() },
             speculative: Speculative {
                 select: d.select,
                 block: d.block,
@@ -250,7 +250,7 @@ fn options(
     let n_ctx = s.n_ctx();
     let d = &s.defaults.sampling;
     let n_predict = match max_tokens {
-        None => n_ctx,
+        None => s.defaults.n_predict.unwrap_or(n_ctx).min(n_ctx),
         Some(n) if (1..=n_ctx as i64).contains(&n) => n as usize,
         Some(n) => return Err(ApiError::invalid_param(max_name, format!("`{max_name}` must be between 1 and {n_ctx} (the context), got {n}"))),
     };
@@ -314,17 +314,32 @@ fn options(
 
 /// `POST /apply-template` (llama-server's): the prompt text a chat request would decode.
 pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ApplyTemplateRequest>) -> Result<Json<PromptText>, ApiError> {
-    let messages = chat_messages(req.messages)?;
-    let prompt = s.template.render(&messages, true).map_err(template_refused)?;
+    let prompt = render_chat(&s, req.messages)?;
     Ok(Json(PromptText { prompt }))
 }
 
 /// The prompt tokens of a chat request, rendered with the served template.
 async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>) -> Result<Vec<Token>, ApiError> {
-    let messages = chat_messages(messages)?;
-    let (model, template) = (s.model().clone(), s.template.clone());
-    let text = template.render(&messages, true).map_err(template_refused)?;
+    let text = render_chat(s, messages)?;
+    let model = s.model().clone();
     blocking(move || model.tokenize(&text, true, true)).await
+}
+
+/// The chat prompt text. A conversation that ends with an assistant message asks for that
+/// message to be continued (llama-server's assistant prefill): the turns before it are rendered
+/// with the assistant's turn opened, and its text follows.
+fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>) -> Result<String, ApiError> {
+    let mut messages = chat_messages(messages)?;
+    let is_assistant = |m: Option<&ChatMessage>| m.is_some_and(|m| m.role == "assistant");
+    let prefill = match is_assistant(messages.last()) {
+        false => None,
+        true if is_assistant(messages.iter().rev().nth(1)) => {
+            return Err(ApiError::invalid_param("messages", "Cannot have 2 or more assistant messages at the end of the list."))
+        }
+        true => messages.pop().map(|m| m.content),
+    };
+    let text = s.template.render(&messages, true).map_err(template_refused)?;
+    Ok(text + prefill.as_deref().unwrap_or_default())
 }
 
 /// The template's own refusal (`raise_exception`) names the messages as the field at fault.
@@ -427,7 +442,7 @@ impl Reply {
                 "chat.completion",
                 ChatChoice {
                     index: 0,
-                    message: Some(ChatMessageOut { role: Some("assistant"), content: Some(g.text.clone()) }),
+                    message: Some(ChatMessageOut { role: Some("assistant"), content: Some(Some(g.text.clone())) }),
                     delta: None,
                     finish_reason: Some(finish_reason(g.finish)),
                     logprobs: None,
@@ -443,7 +458,7 @@ impl Reply {
     /// Server-sent events: the pieces as they land, then the end (and `[DONE]` for OpenAI).
     fn stream(self, events: mpsc::Receiver<GenEvent>) -> Response {
         let head = match &self.shape {
-            Shape::Chat { .. } => vec![event(&self.chat_delta(Some("assistant"), Some(String::new()), None, None))],
+            Shape::Chat { .. } => vec![event(&self.chat_delta(Some("assistant"), Some(None), None, None))],
             _ => Vec::new(),
         };
         let body = stream::unfold((events, Some(self)), |(mut events, reply)| async move {
@@ -465,7 +480,7 @@ impl Reply {
 
     fn piece(&self, tokens: Vec<Token>, text: String) -> Option<Event> {
         match &self.shape {
-            Shape::Chat { .. } if !text.is_empty() => Some(event(&self.chat_delta(None, Some(text), None, None))),
+            Shape::Chat { .. } if !text.is_empty() => Some(event(&self.chat_delta(None, Some(Some(text)), None, None))),
             Shape::Text { .. } if !text.is_empty() => Some(event(&self.text_piece(text, None, None, None))),
             Shape::Llama { return_tokens, .. } if !text.is_empty() || (*return_tokens && !tokens.is_empty()) => {
                 let tokens = if *return_tokens { tokens } else { Vec::new() };
@@ -531,7 +546,7 @@ impl Reply {
     fn chat_delta(
         &self,
         role: Option<&'static str>,
-        content: Option<String>,
+        content: Option<Option<String>>,
         finish: Option<&'static str>,
         timings: Option<Timings>,
     ) -> ChatCompletion {
@@ -583,6 +598,8 @@ impl Reply {
                 tokens_cached: s.n_prompt - s.n_prompt_decoded,
                 stop_type: stop_type(g.finish),
                 stopping_word: stopping_word(model, g, stops),
+                has_new_line: g.text.contains('\n'),
+                truncated: false,
                 timings: Timings::from(s),
             }),
         }

@@ -155,6 +155,8 @@ pub struct DetokenizeRequest {
 /// llama-server's `timings`, with the speculative counters.
 #[derive(Debug, Serialize)]
 pub struct Timings {
+    /// Prompt tokens reused from the slot's cache (not decoded again).
+    pub cache_n: usize,
     pub prompt_n: usize,
     pub prompt_ms: f64,
     pub prompt_per_token_ms: f64,
@@ -176,6 +178,7 @@ impl From<&Stats> for Timings {
         let rate = |ms: f64, n: usize| if ms <= 0.0 { 0.0 } else { n as f64 * 1e3 / ms };
         let predicted_ms = (s.total_ms - s.prefill_ms).max(0.0);
         Self {
+            cache_n: s.n_prompt - s.n_prompt_decoded,
             prompt_n: s.n_prompt_decoded,
             prompt_ms: s.prefill_ms,
             prompt_per_token_ms: per(s.prefill_ms, s.n_prompt_decoded),
@@ -260,8 +263,9 @@ pub struct ChatChoice {
 pub struct ChatMessageOut {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
+    /// Absent, `null` (the first chunk of a stream, as llama-server and OpenAI send it) or text.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
+    pub content: Option<Option<String>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -290,6 +294,10 @@ pub struct LlamaEnd {
     pub tokens_cached: usize,
     pub stop_type: &'static str,
     pub stopping_word: String,
+    /// Whether the answer holds a line break (llama-server's, read by editor plug-ins).
+    pub has_new_line: bool,
+    /// Always false: a prompt over the context is refused, never cut.
+    pub truncated: bool,
     pub timings: Timings,
 }
 
