@@ -36,10 +36,13 @@ struct Server {
 
 impl Server {
     fn start(name: &str, extra: &[&str]) -> Server {
+        Self::start_with(name, &model("target.gguf"), extra)
+    }
+
+    fn start_with(name: &str, target: &str, extra: &[&str]) -> Server {
         let log = common::scratch_dir("server-logs").join(format!("{name}.log"));
-        let target = model("target.gguf");
         let mut child = Command::new(env!("CARGO_BIN_EXE_dflash2"))
-            .args(["serve", "-m", &target, "--host", "127.0.0.1", "--port", "0", "-t", "1"])
+            .args(["serve", "-m", target, "--host", "127.0.0.1", "--port", "0", "-t", "1"])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -788,6 +791,41 @@ fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
     let (code, v) = spec.post("/v1/chat/completions", &chat.to_string());
     assert_eq!((code, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
     spec.assert_healthy("after refused fields");
+}
+
+/// `/infill` builds llama-server's fill-in-the-middle prompt from the code model's own tokens
+/// (repository pattern included), answers in `/completion`'s shape, and speculation (look-up
+/// here) keeps the answer; a model without FIM tokens gets 501 saying why.
+#[test]
+fn infill_completes_code_between_prefix_and_suffix() {
+    let qwen = common::real_model(common::QWEN_05B);
+    let server = Server::start_with("infill", qwen.to_str().unwrap(), &["--lookup", "--block", "4"]);
+    let body = json!({
+        "input_prefix": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n    return ",
+        "input_suffix": "\n\n\nprint(add(1, 2))\n",
+        "input_extra": [{ "filename": "util.py", "text": "def add(a, b):\n    return a + b\n" }],
+        "n_predict": 12, "temperature": 0, "return_tokens": true,
+    });
+    let mut plain_body = body.clone();
+    plain_body["lookup"] = json!(false);
+    let plain = server.post_ok("/infill", plain_body);
+    let spec = server.post_ok("/infill", body.clone());
+    assert_eq!(spec["tokens"], plain["tokens"], "look-up changed the infill");
+    assert!(!spec["content"].as_str().unwrap().is_empty(), "{spec}");
+    let expected = "<|repo_name|>myproject\n<|file_sep|>util.py\ndef add(a, b):\n    return a + b\n<|file_sep|>filename\n\
+        <|fim_prefix|>def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n    return <|fim_suffix|>\n\n\nprint(add(1, 2))\n<|fim_middle|>";
+    let tokens = server.post_ok("/tokenize", json!({ "content": expected, "parse_special": true }));
+    assert_eq!(plain["tokens_evaluated"], tokens["tokens"].as_array().unwrap().len(), "{plain}");
+    drop(server);
+
+    let tiny = Server::start("infill-tiny", &[]);
+    let (code, v) = tiny.post("/infill", r#"{"input_prefix": "a", "input_suffix": "b"}"#);
+    assert_eq!(code, 501, "{v}");
+    assert_eq!(v["error"]["type"], "not_supported_error");
+    assert!(v["error"]["message"].as_str().unwrap().contains("fill-in-the-middle"), "{v}");
+    let (code, v) = tiny.post("/infill", r#"{"input_prefix": "a", "input_extra": [{"filename": "x"}]}"#);
+    assert_eq!((code, v["error"]["param"].as_str()), (400, Some("input_extra[0]")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("missing field `text`"), "{v}");
 }
 
 #[test]

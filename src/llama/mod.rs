@@ -15,7 +15,7 @@ mod upstream;
 
 pub use batch::Batch;
 pub use context::{CacheType, Context, ContextParams, FeatureSource};
-pub use model::{apply_llama_template, builtin_chat_templates, quantize, ChatMessage, Model, ModelParams, QUANT_TYPES};
+pub use model::{apply_llama_template, builtin_chat_templates, quantize, ChatMessage, FimTokens, Model, ModelParams, QUANT_TYPES};
 pub use upstream::UpstreamDrafter;
 
 use std::sync::Once;

@@ -21,6 +21,17 @@ impl Default for ModelParams {
     }
 }
 
+/// Fill-in-the-middle tokens: prefix, suffix, middle, and the repository-level pattern's
+/// repository and file separators.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FimTokens {
+    pub pre: Option<Token>,
+    pub suf: Option<Token>,
+    pub mid: Option<Token>,
+    pub rep: Option<Token>,
+    pub sep: Option<Token>,
+}
+
 /// One chat turn for the model's chat template.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
@@ -228,6 +239,27 @@ impl Model {
             return None;
         }
         Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
+
+    /// The vocabulary's fill-in-the-middle tokens (code models such as Qwen2.5-Coder have them).
+    pub fn fim_tokens(&self) -> FimTokens {
+        let v = self.vocab.as_ptr();
+        let some = |t: Token| (t >= 0).then_some(t);
+        unsafe {
+            FimTokens {
+                pre: some(sys::llama_vocab_fim_pre(v)),
+                suf: some(sys::llama_vocab_fim_suf(v)),
+                mid: some(sys::llama_vocab_fim_mid(v)),
+                rep: some(sys::llama_vocab_fim_rep(v)),
+                sep: some(sys::llama_vocab_fim_sep(v)),
+            }
+        }
+    }
+
+    /// Whether tokenizing with `add_special` starts with BOS.
+    pub fn adds_bos(&self) -> Option<Token> {
+        let v = self.vocab.as_ptr();
+        unsafe { sys::llama_vocab_get_add_bos(v).then(|| sys::llama_vocab_bos(v)).filter(|&t| t >= 0) }
     }
 
     /// The text of the vocabulary's BOS and EOS tokens, and whether tokenizing with

@@ -20,6 +20,9 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("{0} is not offered by this server (it serves generation, not embeddings or reranking)")]
     NotSupported(String),
+    /// What the served model cannot do (infill without fill-in-the-middle tokens).
+    #[error("{0}")]
+    Unsupported(String),
     #[error("the request body is larger than the server accepts ({0})")]
     TooLarge(String),
     #[error("every slot is busy and the queue is full: retry later")]
@@ -38,7 +41,7 @@ impl ApiError {
             Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
             NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
             MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed"),
-            NotSupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported_error", "not_supported"),
+            NotSupported(_) | Unsupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported_error", "not_supported"),
             TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large"),
             Busy => (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", "server_busy"),
             Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),

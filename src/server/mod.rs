@@ -5,6 +5,7 @@
 //! whose slots run the engines on their own threads and answer through channels.
 pub mod errors;
 pub mod fields;
+pub mod infill;
 pub mod metrics;
 pub mod routes;
 pub mod scheduler;
@@ -78,6 +79,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/completions", post(routes::completions))
         .route("/completion", post(routes::llama_completion))
+        .route("/infill", post(routes::infill))
         .route("/apply-template", post(routes::apply_template))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))

@@ -204,6 +204,19 @@ pub async fn llama_completion(
     generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), req.stream.unwrap_or(false)).await
 }
 
+/// `POST /infill`: code completion between a prefix and a suffix, in `/completion`'s shapes.
+pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequest>) -> Result<Response, ApiError> {
+    let opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
+    let (model, n_ctx, limit) = (s.model().clone(), s.n_ctx(), req.n_predict.filter(|&n| n != -1).map(|_| opts.n_predict));
+    let stream = req.stream.unwrap_or(false);
+    let return_tokens = req.return_tokens;
+    let prompt = tokio::task::spawn_blocking(move || super::infill::prompt(&model, &req, n_ctx, limit))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let shape = Shape::Llama { return_tokens, stops: opts.stop.clone(), model: s.model().clone() };
+    generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), stream).await
+}
+
 /// Submit a checked request; answer with one body, or stream it. Dropping the receiver
 /// cancels the generation: with the stream, or with this future when a client goes away.
 async fn generate(

@@ -139,6 +139,37 @@ fn yes() -> bool {
     true
 }
 
+/// llama-server's `POST /infill` (code completion in editors).
+#[derive(Debug, Deserialize)]
+pub struct InfillRequest {
+    #[serde(default)]
+    pub input_prefix: String,
+    #[serde(default)]
+    pub input_suffix: String,
+    /// Other files, as repository-level context before the prefix.
+    #[serde(default)]
+    pub input_extra: Vec<ExtraChunk>,
+    /// Text after the prefix (llama-server places it before FIM_SUF).
+    #[serde(default)]
+    pub prompt: String,
+    /// -1: until the end of generation or of the context.
+    pub n_predict: Option<i64>,
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub return_tokens: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ExtraChunk {
+    #[serde(default = "tmp")]
+    pub filename: String,
+    pub text: String,
+}
+
+fn tmp() -> String {
+    "tmp".into()
+}
+
 /// llama-server's `POST /apply-template`.
 #[derive(Debug, Deserialize)]
 pub struct ApplyTemplateRequest {
