@@ -11,7 +11,7 @@ use crate::draft::select::{proposal, sample_draft, BestPath, Greedy, Selector, T
 use crate::draft::{lattice, DraftTree, Origin};
 use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
 pub use crate::target::Repack;
-use crate::sampling::{Distribution, Sampler, SamplingParams};
+use crate::sampling::{token_probs, Distribution, Sampler, SamplingParams, TokenProb};
 use crate::verify::{accept_greedy, verify_tree};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -133,6 +133,9 @@ pub struct GenerateOptions {
     pub lookup_ngram: usize,
     pub stop: Vec<String>,
     pub sampling: SamplingParams,
+    /// Report each output token's log-probability and this many likeliest alternatives
+    /// (None: none), from the same target rows that chose it.
+    pub n_probs: Option<usize>,
     /// How drafts are checked at temperature > 0. Only tests change it.
     #[doc(hidden)]
     pub verifier: Verifier,
@@ -162,6 +165,7 @@ impl Default for GenerateOptions {
             lookup_ngram: DEFAULT_LOOKUP_NGRAM,
             stop: Vec::new(),
             sampling: SamplingParams::default(),
+            n_probs: None,
             verifier: Verifier::Rejection,
         }
     }
@@ -278,6 +282,8 @@ impl Stats {
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub tokens: Vec<Token>,
+    /// One per token when `GenerateOptions::n_probs` asked for them.
+    pub probs: Vec<TokenProb>,
     pub text: String,
     pub finish: FinishReason,
     pub stats: Stats,
@@ -514,20 +520,22 @@ impl Engine {
             sampler: Sampler::new(opts.sampling.clone()),
             stats: Stats { n_prompt: prompt.len(), ..Stats::default() },
             out: Output::default(),
+            probs: Vec::new(),
             next: 0,
             finish: None,
             speculative,
             t_start,
             t_end: None,
         };
-        run.next = self.prefill(slot, prompt, &mut run.sampler, &mut run.stats)?;
+        let (first, first_prob) = self.prefill(slot, prompt, &mut run)?;
+        run.next = first;
         if speculative && opts.adaptive {
             let largest = if opts.select == SelectMode::Tree { opts.tree_budget + 1 } else { opts.block };
             self.calibrate(slot, largest)?;
         }
         // Setup ends here: generation speed is measured from now on.
         run.stats.prefill_ms = ms_since(t_start);
-        run.commit(self.target.model(), &[run.next]);
+        run.commit(self.target.model(), &[first], first_prob.as_slice());
         Ok(run)
     }
 
@@ -578,7 +586,7 @@ impl Engine {
             let t = Instant::now();
             let run = &mut *runs[p.run];
             let verify_before = run.stats.verify_ms;
-            let committed = self.accept_and_commit(p, run)?;
+            let (committed, probs) = self.accept_and_commit(p, run)?;
             let redecode_ms = run.stats.verify_ms - verify_before;
             committed_total += committed.len();
             // A draft that was not worth verifying still cost a drafter call.
@@ -592,7 +600,7 @@ impl Engine {
             s.host_ms += host_ms + ms_since(t) - redecode_ms;
             run.next = *committed.last().expect("a cycle commits at least one token");
             let before = run.out.tokens.len();
-            run.commit(self.target.model(), &committed);
+            run.commit(self.target.model(), &committed, &probs);
             out[p.run] = run.out.tokens[before..].to_vec();
         }
         if drafted_any {
@@ -822,7 +830,7 @@ impl Engine {
 
     /// Verify one plan's rows, keep what the target accepts in both caches, and return
     /// the committed tokens (accepted drafts, then the target's own next token).
-    fn accept_and_commit(&mut self, p: &Plan, run: &mut Run) -> Result<Vec<Token>> {
+    fn accept_and_commit(&mut self, p: &Plan, run: &mut Run) -> Result<(Vec<Token>, Vec<TokenProb>)> {
         let (mut path, mut next) = if run.sampler.is_greedy() {
             self.accept_greedy(p, &run.sampler)?
         } else {
@@ -862,17 +870,40 @@ impl Engine {
         let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();
         let rows: Vec<usize> = std::iter::once(p.row0).chain(path[..in_order].iter().map(|&i| p.row0 + i + 1)).collect();
         self.queue_features(p.slot, &rows, p.pos0)?;
+        // Log-probabilities come from the rows that chose each token, read before a re-decode
+        // replaces them: the in-order part, and the first side-branch node (its parent's row is
+        // in order); the rest of a side branch, and the token after it, from the re-decode.
+        let mut probs = Vec::new();
+        let prob_at = |row: usize, token: Token, n: usize| -> Result<TokenProb> {
+            Ok(token_probs(self.target.logits(row)?, token, n))
+        };
+        if let Some(n) = run.opts.n_probs {
+            for &i in &path[..path.len().min(in_order + 1)] {
+                let row = p.tree.nodes[i].parent.map_or(0, |q| q + 1);
+                probs.push(prob_at(p.row0 + row, p.tree.nodes[i].token, n)?);
+            }
+        }
         if in_order < path.len() {
             let t = Instant::now();
             let tail = path.split_off(in_order);
             let (kept, bonus) = self.redecode_branch(p, &tail, &run.sampler)?;
             path.extend_from_slice(&tail[..kept]);
             next = bonus.unwrap_or(next);
+            if let Some(n) = run.opts.n_probs {
+                for (k, &i) in tail[..kept].iter().enumerate().skip(1) {
+                    probs.push(token_probs(self.target.logits(k - 1)?, p.tree.nodes[i].token, n));
+                }
+                probs.push(token_probs(self.target.logits(kept - 1)?, next, n));
+            }
             // a target decode: verify time, not host time
             run.stats.verify_ms += ms_since(t);
             run.stats.redecoded += tail.len();
         }
         let n_acc = path.len();
+        if let (Some(n), true) = (run.opts.n_probs, probs.len() == n_acc) {
+            let row = path.last().map_or(0, |&i| i + 1);
+            probs.push(token_probs(self.target.logits(p.row0 + row)?, next, n));
+        }
 
         let slot = &mut self.slots[p.slot];
         slot.cached.push(p.last);
@@ -895,7 +926,7 @@ impl Engine {
         if drafter_only && !p.tree.is_empty() && p.tree.is_chain() {
             self.cost.record_acceptance(&p.gains, n_acc);
         }
-        Ok(committed)
+        Ok((committed, probs))
     }
 
     /// Count what each source proposed and the target took in `path`, and calibrate the
@@ -1024,7 +1055,7 @@ impl Engine {
 
     /// Decode the part of `prompt` not already cached in `slot`; returns the first
     /// generated token.
-    fn prefill(&mut self, slot: usize, prompt: &[Token], sampler: &mut Sampler, stats: &mut Stats) -> Result<Token> {
+    fn prefill(&mut self, slot: usize, prompt: &[Token], run: &mut Run) -> Result<(Token, Option<TokenProb>)> {
         // Reuse the cached prefix, but always decode at least the last prompt token:
         // its logits give the first generated token.
         let cached = &self.slots[slot].cached;
@@ -1032,7 +1063,7 @@ impl Engine {
         let keep = common.min(prompt.len() - 1);
         self.truncate_cache(slot, keep)?;
         let todo = &prompt[keep..];
-        stats.n_prompt_decoded = todo.len();
+        run.stats.n_prompt_decoded = todo.len();
         let n_batch = self.batch.capacity();
         let mut last_logits_row = 0;
         for (c, chunk) in todo.chunks(n_batch).enumerate() {
@@ -1049,7 +1080,9 @@ impl Engine {
             self.slots[slot].cached.extend_from_slice(chunk);
             last_logits_row = chunk.len() - 1;
         }
-        Ok(sampler.pick(self.target.logits(last_logits_row)?, prompt))
+        let logits = self.target.logits(last_logits_row)?;
+        let first = run.sampler.pick(logits, prompt);
+        Ok((first, run.opts.n_probs.map(|n| token_probs(logits, first, n))))
     }
 
     /// Queue the features of `rows` of the last target decode for the drafter, at
@@ -1198,6 +1231,8 @@ pub struct Run {
     sampler: Sampler,
     stats: Stats,
     out: Output,
+    /// Log-probabilities of `out.tokens` (when asked for).
+    probs: Vec<TokenProb>,
     /// The last committed token, not yet decoded by the target.
     next: Token,
     finish: Option<FinishReason>,
@@ -1225,6 +1260,11 @@ impl Run {
     /// Output tokens so far (end-of-generation tokens excluded).
     pub fn tokens(&self) -> &[Token] {
         &self.out.tokens
+    }
+
+    /// Log-probabilities of [`Run::tokens`], when asked for (`GenerateOptions::n_probs`).
+    pub fn probs(&self) -> &[TokenProb] {
+        &self.probs
     }
 
     /// Output text so far (a stop string and anything after it excluded).
@@ -1261,14 +1301,19 @@ impl Run {
         Generation {
             text: self.out.text(),
             tokens: self.out.tokens,
+            probs: self.probs,
             finish: self.finish.unwrap_or(FinishReason::Length),
             stats,
         }
     }
 
-    fn commit(&mut self, model: &Model, new: &[Token]) {
+    /// Take newly committed tokens (and their log-probabilities, when asked for).
+    fn commit(&mut self, model: &Model, new: &[Token], probs: &[TokenProb]) {
         if self.finish.is_none() {
+            let before = self.out.tokens.len();
             self.finish = self.out.push(model, new, &self.opts);
+            let taken = self.out.tokens.len() - before;
+            self.probs.extend_from_slice(&probs[..taken.min(probs.len())]);
         }
         if self.finish.is_some() {
             self.t_end.get_or_insert_with(Instant::now);

@@ -129,6 +129,33 @@ impl Distribution {
     }
 }
 
+/// A committed token's log-probability and the likeliest alternatives at its position, from the
+/// target's raw logits (before any sampler), as OpenAI and llama-server report them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenProb {
+    pub id: i32,
+    pub logprob: f32,
+    /// The `n` likeliest tokens, most likely first (ties by lower id).
+    pub top: Vec<(i32, f32)>,
+}
+
+/// `id`'s log-softmax over `logits`, and the `n` likeliest tokens'.
+pub fn token_probs(logits: &[f32], id: i32, n: usize) -> TokenProb {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let log_z = f64::from(max) + sum.ln();
+    let logprob = |t: i32| (f64::from(logits[t as usize]) - log_z) as f32;
+    let mut top: Vec<i32> = (0..logits.len() as i32).collect();
+    let by_rank = |a: &i32, b: &i32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let n = n.min(top.len());
+    if n > 0 && n < top.len() {
+        top.select_nth_unstable_by(n - 1, by_rank);
+    }
+    top.truncate(n);
+    top.sort_by(by_rank);
+    TokenProb { id, logprob: logprob(id), top: top.into_iter().map(|t| (t, logprob(t))).collect() }
+}
+
 /// The distribution a llama.cpp user gets for these logits, `history` (the tokens the penalty
 /// sampler has accepted, oldest first) and flags; see the module documentation for the chain.
 pub fn target_distribution(
@@ -605,6 +632,18 @@ mod tests {
             target_distribution(&logits, &history, &no_window).prob(1),
             softmax(&logits)[1]
         );
+    }
+
+    #[test]
+    fn token_probs_are_the_log_softmax_of_the_raw_logits() {
+        let logits = [1.0f32, 3.0, 3.0, -2.0];
+        let p = softmax(&logits);
+        let tp = token_probs(&logits, 0, 2);
+        assert!((tp.logprob - p[0].ln()).abs() < 1e-6, "{tp:?}");
+        assert_eq!(tp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2]); // tie: lower id first
+        assert!((tp.top[0].1 - p[1].ln()).abs() < 1e-6);
+        assert_eq!(token_probs(&logits, 3, 0).top, []);
+        assert_eq!(token_probs(&logits, 3, 9).top.len(), 4);
     }
 
     #[test]

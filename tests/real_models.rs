@@ -57,17 +57,23 @@ fn check_target(
     let mut tally = vec![(0usize, 0usize, 0usize); modes.len()];
     for (i, text) in prompts.iter().enumerate() {
         let prompt = chat_prompt(&target, text);
-        let opts = GenerateOptions { n_predict, select: SelectMode::None, ..Default::default() };
+        // Log-probabilities too: read from the rows that chose each token, they must be plain
+        // decoding's bit for bit (side branches re-decoded included).
+        let n_probs = Some(3);
+        let opts = GenerateOptions { n_predict, select: SelectMode::None, n_probs, ..Default::default() };
         let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
         assert!(!baseline.text.trim().is_empty(), "{file}: empty baseline for prompt {i}");
+        assert_eq!(baseline.probs.len(), baseline.tokens.len());
+        assert!(baseline.probs.iter().zip(&baseline.tokens).all(|(p, &t)| p.id == t && p.top[0].0 == t), "greedy picks the top token");
         for (m, &(select, block)) in modes.iter().enumerate() {
-            let opts = GenerateOptions { n_predict, select, block, tree_budget, ..Default::default() };
+            let opts = GenerateOptions { n_predict, select, block, tree_budget, n_probs, ..Default::default() };
             let g = spec.generate(&prompt, &opts, |_| true).unwrap();
             assert_eq!(
                 g.tokens, baseline.tokens,
                 "{file}, {select:?}, block {block}, prompt {i}: speculative output differs from plain\nplain: {}\nspec:  {}",
                 baseline.text, g.text
             );
+            assert_eq!(g.probs, baseline.probs, "{file}, {select:?}, block {block}, prompt {i}: log-probabilities differ");
             assert!(g.stats.n_drafted > 0, "{file}: nothing was drafted");
             tally[m].0 += g.stats.cycle_tokens;
             tally[m].1 += g.stats.cycles;

@@ -280,6 +280,10 @@ fn the_openai_client_gets_chat_completions_and_streams() {
     assert_ne!(biased, greedy, "banning token {} changed nothing", r["banned_first"]);
     assert_ne!(r["penalised"], r["chat"]["text"], "the penalties changed nothing");
     assert_eq!(r["json_object"], json!({ "status": 400, "param": "response_format" }));
+    let logprobs = r["logprobs"].as_array().unwrap();
+    assert_eq!(logprobs.len(), 24, "{logprobs:?}");
+    assert!(logprobs.iter().all(|t| t[2] == 2), "{logprobs:?}");
+    assert_eq!(r["logprobs_stream"], r["logprobs"]);
     server.wait_idle();
 }
 
@@ -826,6 +830,62 @@ fn infill_completes_code_between_prefix_and_suffix() {
     let (code, v) = tiny.post("/infill", r#"{"input_prefix": "a", "input_extra": [{"filename": "x"}]}"#);
     assert_eq!((code, v["error"]["param"].as_str()), (400, Some("input_extra[0]")), "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("missing field `text`"), "{v}");
+}
+
+/// Log-probabilities in each API's shape, streamed or not, equal plain decoding's with a
+/// drafter on (they are read from the rows that chose each token).
+#[test]
+fn logprobs_equal_plain_decoding_in_every_shape() {
+    let d = drafter();
+    let spec = Server::start("logprobs-spec", &["-d", &d, "--block", "4"]);
+    let plain = Server::start("logprobs-plain", &[]);
+    let both = |path: &str, body: Value| (plain.post_ok(path, body.clone()), spec.post_ok(path, body));
+
+    let (a, b) = both("/completion", json!({ "prompt": "Once upon a time", "n_predict": 16, "n_probs": 3, "return_tokens": true }));
+    assert_eq!(a["completion_probabilities"], b["completion_probabilities"]);
+    assert!(b["timings"]["draft_n"].as_u64().unwrap() > 0, "nothing was drafted: {b}");
+    let probs = a["completion_probabilities"].as_array().unwrap();
+    assert_eq!(probs.len(), a["tokens"].as_array().unwrap().len());
+    for (p, t) in probs.iter().zip(a["tokens"].as_array().unwrap()) {
+        assert_eq!(&p["id"], t);
+        assert_eq!(p["top_logprobs"].as_array().unwrap().len(), 3);
+        assert_eq!(p["top_logprobs"][0]["id"], p["id"], "greedy takes the likeliest: {p}");
+        assert!(p["logprob"].as_f64().unwrap() <= 0.0);
+    }
+
+    let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 12, "logprobs": true, "top_logprobs": 2 });
+    let (a, b) = both("/v1/chat/completions", chat.clone());
+    assert_eq!(a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]);
+    let content = a["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len() as u64, a["usage"]["completion_tokens"].as_u64().unwrap());
+    let joined: String = content.iter().map(|e| e["token"].as_str().unwrap()).collect();
+    assert_eq!(joined, a["choices"][0]["message"]["content"].as_str().unwrap());
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let events = spec.post_sse("/v1/chat/completions", streamed);
+    let pieces: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&pieces, content, "streamed log-probabilities differ");
+
+    let (a, b) = both("/v1/completions", json!({ "prompt": "Once upon a time", "max_tokens": 12, "logprobs": 2 }));
+    assert_eq!(a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]);
+    let offsets = a["choices"][0]["logprobs"]["text_offset"].as_array().unwrap();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0].as_u64() <= w[1].as_u64()));
+
+    for (path, body, field) in [
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "logprobs": true, "top_logprobs": 21 }), "top_logprobs"),
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "top_logprobs": 2 }), "top_logprobs"),
+        ("/v1/completions", json!({ "prompt": "hi", "logprobs": 6 }), "logprobs"),
+        ("/completion", json!({ "prompt": "hi", "n_probs": -1 }), "n_probs"),
+    ] {
+        let (code, v) = spec.post(path, &body.to_string());
+        assert_eq!((code, v["error"]["param"].as_str()), (400, Some(field)), "{body}: {v}");
+    }
 }
 
 #[test]

@@ -131,6 +131,17 @@ def basic(base, model):
         out["json_object"] = None
     except openai.BadRequestError as e:
         out["json_object"] = {"status": e.status_code, "param": e.param}
+    # Log-probabilities as the SDK parses them, whole and streamed.
+    r = c.chat.completions.create(model=model, messages=messages, logprobs=True, top_logprobs=2, **kw)
+    out["logprobs"] = [(t.token, t.logprob, len(t.top_logprobs)) for t in r.choices[0].logprobs.content]
+    s = c.chat.completions.create(model=model, messages=messages, logprobs=True, top_logprobs=2, stream=True, **kw)
+    out["logprobs_stream"] = [
+        (t.token, t.logprob, len(t.top_logprobs))
+        for chunk in s
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for t in choice.logprobs.content or []
+    ]
     # A client configured for another server names its model: one model is served, so it answers.
     r = c.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=4, temperature=0)
     out["other_model"] = {"model": r.model, "tokens": r.usage.completion_tokens}

@@ -37,9 +37,11 @@ const UNBUILT: &[Unbuilt] = &[
     Unbuilt { name: "dynatemp_range", neutral: |v| null_or(v, |v| num(v).is_some_and(|x| x <= 0.0)), needs: "a sampler" },
     Unbuilt { name: "min_keep", neutral: |v| null_or(v, |v| num(v) == Some(0.0)), needs: "a sampler setting" },
     Unbuilt { name: "ignore_eos", neutral: |v| null_or(v, |v| v == &Value::Bool(false)), needs: "generation past end-of-generation tokens" },
-    Unbuilt { name: "n_probs", neutral: |v| null_or(v, |v| num(v) == Some(0.0)), needs: "token probabilities" },
-    Unbuilt { name: "logprobs", neutral: |v| null_or(v, |v| v == &Value::Bool(false)), needs: "token log-probabilities" },
-    Unbuilt { name: "top_logprobs", neutral: |v| null_or(v, |v| num(v) == Some(0.0)), needs: "token log-probabilities" },
+    Unbuilt {
+        name: "post_sampling_probs",
+        neutral: |v| null_or(v, |v| v == &Value::Bool(false)),
+        needs: "probabilities after the samplers (the raw target's are reported)",
+    },
     Unbuilt { name: "grammar", neutral: empty, needs: "constrained decoding" },
     Unbuilt { name: "json_schema", neutral: |v| v.is_null(), needs: "constrained decoding" },
     Unbuilt {
@@ -185,10 +187,10 @@ mod tests {
     #[test]
     fn neutral_values_pass_and_others_name_their_field() {
         let webui = json!({ "typical_p": 1, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0, "top_n_sigma": -1,
-            "dynatemp_range": 0, "n_probs": 0, "grammar": "", "tools": [], "tool_choice": "auto", "logprobs": false,
+            "dynatemp_range": 0, "post_sampling_probs": false, "grammar": "", "tools": [], "tool_choice": "auto",
             "response_format": { "type": "text" }, "id_slot": -1, "cache_prompt": true, "lora": [] });
         refuse_unbuilt(&webui).unwrap();
-        for (field, value) in [("typical_p", json!(0.9)), ("grammar", json!("root ::= \"a\"")), ("logprobs", json!(true)),
+        for (field, value) in [("typical_p", json!(0.9)), ("grammar", json!("root ::= \"a\"")), ("post_sampling_probs", json!(true)),
             ("response_format", json!({ "type": "json_object" })), ("tools", json!([{ "type": "function" }])), ("id_slot", json!(0))]
         {
             let ApiError::InvalidRequest { param, message } = refuse_unbuilt(&json!({ field: value })).unwrap_err() else { panic!() };

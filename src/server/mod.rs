@@ -6,6 +6,7 @@
 pub mod errors;
 pub mod fields;
 pub mod infill;
+pub mod logprobs;
 pub mod metrics;
 pub mod routes;
 pub mod scheduler;

@@ -7,7 +7,7 @@ use super::types::*;
 use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions, Generation, SelectMode};
 use crate::llama::{ChatMessage, LlamaError, Model, Token};
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenProb};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
 use axum::http::{header, Uri};
@@ -174,10 +174,17 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 
 pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
     one_choice(req.n)?;
-    let opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
+    let mut opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
+    opts.n_probs = match (req.logprobs, req.top_logprobs) {
+        (Some(true), n) => Some(count("top_logprobs", n.unwrap_or(0), 20)?),
+        (_, Some(n)) if n != 0 => {
+            return Err(ApiError::invalid_param("top_logprobs", "`top_logprobs` needs `logprobs`: true"))
+        }
+        _ => None,
+    };
     let prompt = chat_prompt(&s, req.messages).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let reply = Reply::new(&s, "chatcmpl", Shape::Chat { include_usage });
+    let reply = Reply::new(&s, "chatcmpl", Shape::Chat { include_usage }, opts.n_probs.is_some());
     generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
 }
 
@@ -186,10 +193,11 @@ pub async fn completions(
     Sampled(req, sampling): Sampled<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     one_choice(req.n)?;
-    let opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
+    let mut opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
+    opts.n_probs = req.logprobs.map(|n| count("logprobs", n, 5)).transpose()?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage });
+    let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage }, opts.n_probs.is_some());
     generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
 }
 
@@ -198,23 +206,40 @@ pub async fn llama_completion(
     Sampled(req, sampling): Sampled<LlamaCompletionRequest>,
 ) -> Result<Response, ApiError> {
     // -1 is llama-server's "no limit": up to the end of the context.
-    let opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
+    let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
+    opts.n_probs = n_probs(req.n_probs)?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
-    let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone(), model: s.model().clone() };
-    generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), req.stream.unwrap_or(false)).await
+    let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone() };
+    let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
+    generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
 }
 
 /// `POST /infill`: code completion between a prefix and a suffix, in `/completion`'s shapes.
 pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequest>) -> Result<Response, ApiError> {
-    let opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
+    let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
+    opts.n_probs = n_probs(req.n_probs)?;
     let (model, n_ctx, limit) = (s.model().clone(), s.n_ctx(), req.n_predict.filter(|&n| n != -1).map(|_| opts.n_predict));
     let stream = req.stream.unwrap_or(false);
     let return_tokens = req.return_tokens;
     let prompt = tokio::task::spawn_blocking(move || super::infill::prompt(&model, &req, n_ctx, limit))
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
-    let shape = Shape::Llama { return_tokens, stops: opts.stop.clone(), model: s.model().clone() };
-    generate(&s, prompt, opts, Reply::new(&s, "cmpl", shape), stream).await
+    let shape = Shape::Llama { return_tokens, stops: opts.stop.clone() };
+    let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
+    generate(&s, prompt, opts, reply, stream).await
+}
+
+/// A count field between 0 and `max`.
+fn count(name: &str, n: i64, max: i64) -> Result<usize, ApiError> {
+    match n {
+        n if (0..=max).contains(&n) => Ok(n as usize),
+        n => Err(ApiError::invalid_param(name, format!("`{name}` must be between 0 and {max}, got {n}"))),
+    }
+}
+
+/// llama-server's `n_probs`: 0 (or none) reports no probabilities.
+fn n_probs(n: Option<i64>) -> Result<Option<usize>, ApiError> {
+    Ok(Some(count("n_probs", n.unwrap_or(0), 100)?).filter(|&n| n > 0))
 }
 
 /// Submit a checked request; answer with one body, or stream it. Dropping the receiver
@@ -428,7 +453,7 @@ fn now() -> u64 {
 enum Shape {
     Chat { include_usage: bool },
     Text { include_usage: bool },
-    Llama { return_tokens: bool, stops: Vec<String>, model: Arc<Model> },
+    Llama { return_tokens: bool, stops: Vec<String> },
 }
 
 /// How one generation is answered: its endpoint's shapes and the ids its pieces share.
@@ -437,16 +462,32 @@ struct Reply {
     id: String,
     created: u64,
     model: String,
+    target: Arc<Model>,
+    /// Log-probabilities were asked for.
+    logprobs: bool,
+    /// Characters of text streamed so far (OpenAI's legacy `text_offset`).
+    streamed_chars: std::sync::atomic::AtomicUsize,
 }
 
 impl Reply {
-    fn new(s: &AppState, prefix: &str, shape: Shape) -> Self {
+    fn new(s: &AppState, prefix: &str, shape: Shape, logprobs: bool) -> Self {
         Self {
             shape,
             id: format!("{prefix}-{:016x}", rand::random::<u64>()),
             created: now(),
             model: s.model_id().to_string(),
+            target: s.model().clone(),
+            logprobs,
+            streamed_chars: Default::default(),
         }
+    }
+
+    fn chat_logprobs(&self, probs: &[TokenProb]) -> Option<ChatLogprobs> {
+        self.logprobs.then(|| super::logprobs::chat(&self.target, probs))
+    }
+
+    fn text_logprobs(&self, probs: &[TokenProb], offset: usize) -> Option<TextLogprobs> {
+        self.logprobs.then(|| super::logprobs::text(&self.target, probs, offset))
     }
 
     fn whole(&self, g: &Generation) -> Response {
@@ -458,12 +499,16 @@ impl Reply {
                     message: Some(ChatMessageOut { role: Some("assistant"), content: Some(Some(g.text.clone())) }),
                     delta: None,
                     finish_reason: Some(finish_reason(g.finish)),
-                    logprobs: None,
+                    logprobs: self.chat_logprobs(&g.probs),
                 },
                 Some(g),
             ))
             .into_response(),
-            Shape::Text { .. } => Json(self.text(g.text.clone(), Some(g))).into_response(),
+            Shape::Text { .. } => {
+                let mut body = self.text(g.text.clone(), Some(g));
+                body.choices[0].logprobs = self.text_logprobs(&g.probs, 0);
+                Json(body).into_response()
+            }
             Shape::Llama { .. } => Json(self.llama_end(g.text.clone(), g)).into_response(),
         }
     }
@@ -477,8 +522,8 @@ impl Reply {
         let body = stream::unfold((events, Some(self)), |(mut events, reply)| async move {
             let reply = reply?; // gone after the last event
             let (out, reply) = match events.recv().await {
-                Some(GenEvent::Tokens { tokens, text }) => {
-                    (reply.piece(tokens, text).into_iter().collect(), Some(reply))
+                Some(GenEvent::Tokens { tokens, text, probs }) => {
+                    (reply.piece(tokens, text, probs).into_iter().collect(), Some(reply))
                 }
                 Some(GenEvent::Done(g)) => (reply.tail(&g), None),
                 Some(GenEvent::Error(e)) => (reply.failure(ApiError::Internal(e)), None),
@@ -491,13 +536,26 @@ impl Reply {
         Sse::new(events).keep_alive(KeepAlive::default()).into_response()
     }
 
-    fn piece(&self, tokens: Vec<Token>, text: String) -> Option<Event> {
+    /// A streamed piece: its text, and its tokens' log-probabilities when asked for (a piece
+    /// whose text is held back still carries them).
+    fn piece(&self, tokens: Vec<Token>, text: String, probs: Vec<TokenProb>) -> Option<Event> {
+        let with_probs = self.logprobs && !probs.is_empty();
         match &self.shape {
-            Shape::Chat { .. } if !text.is_empty() => Some(event(&self.chat_delta(None, Some(Some(text)), None, None))),
-            Shape::Text { .. } if !text.is_empty() => Some(event(&self.text_piece(text, None, None, None))),
-            Shape::Llama { return_tokens, .. } if !text.is_empty() || (*return_tokens && !tokens.is_empty()) => {
+            Shape::Chat { .. } if !text.is_empty() || with_probs => {
+                let mut chunk = self.chat_delta(None, Some(Some(text)), None, None);
+                chunk.choices[0].logprobs = self.chat_logprobs(&probs);
+                Some(event(&chunk))
+            }
+            Shape::Text { .. } if !text.is_empty() || with_probs => {
+                let offset = self.streamed_chars.fetch_add(text.chars().count(), std::sync::atomic::Ordering::Relaxed);
+                let mut chunk = self.text_piece(text, None, None, None);
+                chunk.choices[0].logprobs = self.text_logprobs(&probs, offset);
+                Some(event(&chunk))
+            }
+            Shape::Llama { return_tokens, .. } if !text.is_empty() || with_probs || (*return_tokens && !tokens.is_empty()) => {
                 let tokens = if *return_tokens { tokens } else { Vec::new() };
-                Some(event(&LlamaCompletion { content: text, tokens, stop: false, end: None }))
+                let completion_probabilities = self.logprobs.then(|| super::logprobs::llama(&self.target, &probs));
+                Some(event(&LlamaCompletion { content: text, tokens, stop: false, completion_probabilities, end: None }))
             }
             _ => None,
         }
@@ -596,21 +654,24 @@ impl Reply {
     }
 
     fn llama_end(&self, content: String, g: &Generation) -> LlamaCompletion {
-        let Shape::Llama { return_tokens, stops, model } = &self.shape else {
+        let Shape::Llama { return_tokens, stops } = &self.shape else {
             unreachable!("llama_end is only called for /completion")
         };
         let s = &g.stats;
+        // a streamed answer sent them with its pieces
+        let whole = !content.is_empty() || g.text.is_empty();
         LlamaCompletion {
             content,
             tokens: if *return_tokens { g.tokens.clone() } else { Vec::new() },
             stop: true,
+            completion_probabilities: (self.logprobs && whole).then(|| super::logprobs::llama(&self.target, &g.probs)),
             end: Some(LlamaEnd {
                 model: self.model.clone(),
                 tokens_predicted: g.tokens.len(),
                 tokens_evaluated: s.n_prompt,
                 tokens_cached: s.n_prompt - s.n_prompt_decoded,
                 stop_type: stop_type(g.finish),
-                stopping_word: stopping_word(model, g, stops),
+                stopping_word: stopping_word(&self.target, g, stops),
                 has_new_line: g.text.contains('\n'),
                 truncated: false,
                 timings: Timings::from(s),

@@ -11,6 +11,7 @@
 use super::metrics::{Busy, Metrics};
 use crate::engine::{self, Engine, EngineConfig, GenerateOptions, Generation, Run};
 use crate::llama::{Model, Token};
+use crate::sampling::TokenProb;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -33,6 +34,8 @@ pub enum GenEvent {
     Tokens {
         tokens: Vec<Token>,
         text: String,
+        /// Log-probabilities of the tokens committed since the last event (when asked for).
+        probs: Vec<TokenProb>,
     },
     Done(Box<Generation>),
     Error(String),
@@ -146,6 +149,8 @@ struct Active {
     job: Job,
     run: Run,
     text: TextRelease,
+    /// Log-probabilities already sent.
+    probs_sent: usize,
     _busy: Busy,
 }
 
@@ -234,7 +239,7 @@ impl Worker {
             Ok(Ok(run)) => {
                 let text = TextRelease::new(job.req.opts.stop.clone());
                 let first = run.tokens().to_vec();
-                self.slots[slot] = self.deliver(Active { job, run, text, _busy: busy }, first);
+                self.slots[slot] = self.deliver(Active { job, run, text, probs_sent: 0, _busy: busy }, first);
             }
             Ok(Err(e)) => {
                 self.metrics.failed();
@@ -289,10 +294,12 @@ impl Worker {
     /// it keeps its slot: not once it finished or its client went away.
     fn deliver(&self, mut a: Active, tokens: Vec<Token>) -> Option<Active> {
         let released = a.text.release(&a.run);
-        let gone = if tokens.is_empty() && released.is_empty() {
+        let gone = if tokens.is_empty() && released.is_empty() && a.run.probs().len() == a.probs_sent {
             a.job.events.is_closed()
         } else {
-            a.job.events.blocking_send(GenEvent::Tokens { tokens, text: released }).is_err()
+            let probs = a.run.probs()[a.probs_sent..].to_vec();
+            a.probs_sent += probs.len();
+            a.job.events.blocking_send(GenEvent::Tokens { tokens, text: released, probs }).is_err()
         };
         if gone {
             a.run.cancel();

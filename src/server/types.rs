@@ -69,6 +69,9 @@ pub struct ChatRequest {
     pub n: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    pub logprobs: Option<bool>,
+    /// Alternatives per token (0..=20) with `logprobs`.
+    pub top_logprobs: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -111,6 +114,8 @@ pub struct CompletionRequest {
     pub n: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Log-probabilities of each token and this many alternatives (0..=5, OpenAI's legacy shape).
+    pub logprobs: Option<i64>,
 }
 
 /// llama-server's `POST /completion`.
@@ -122,6 +127,8 @@ pub struct LlamaCompletionRequest {
     pub stream: Option<bool>,
     #[serde(default)]
     pub return_tokens: bool,
+    /// Log-probabilities of each token and this many alternatives (`completion_probabilities`).
+    pub n_probs: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -157,6 +164,7 @@ pub struct InfillRequest {
     pub stream: Option<bool>,
     #[serde(default)]
     pub return_tokens: bool,
+    pub n_probs: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -287,7 +295,7 @@ pub struct ChatChoice {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delta: Option<ChatMessageOut>,
     pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -303,16 +311,67 @@ pub struct ChatMessageOut {
 pub struct TextChoice {
     pub index: u32,
     pub text: String,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<TextLogprobs>,
     pub finish_reason: Option<&'static str>,
 }
 
-/// llama-server's `/completion` answer; a streamed piece carries only the first three fields.
+/// OpenAI's chat `logprobs`: one entry per token.
+#[derive(Debug, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatLogprob>,
+    pub refusal: Option<()>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// OpenAI's legacy completions `logprobs`.
+#[derive(Debug, Default, Serialize)]
+pub struct TextLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+/// llama-server's `completion_probabilities` entry (`n_probs`).
+#[derive(Debug, Serialize)]
+pub struct LlamaProb {
+    pub id: Token,
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<LlamaTopProb>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LlamaTopProb {
+    pub id: Token,
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// llama-server's `/completion` answer; a streamed piece carries only the first fields.
 #[derive(Debug, Serialize)]
 pub struct LlamaCompletion {
     pub content: String,
     pub tokens: Vec<Token>,
     pub stop: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_probabilities: Option<Vec<LlamaProb>>,
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub end: Option<LlamaEnd>,
 }
