@@ -69,6 +69,8 @@ pub struct Extractor {
     ctx: Context,
     max_len: usize,
     soft_k: usize,
+    /// How chat rows are rendered (the model's own template unless the corpus says otherwise).
+    template: TemplateChoice,
 }
 
 impl Extractor {
@@ -83,6 +85,7 @@ impl Extractor {
         max_len: usize,
         n_threads: i32,
         soft_k: usize,
+        template: TemplateChoice,
     ) -> Result<Self> {
         let n_layer = target.n_layer() as i32;
         if let Some(&bad) = layers.iter().find(|&&l| l < 1 || l >= n_layer) {
@@ -101,7 +104,7 @@ impl Extractor {
         if soft_k > target.n_vocab() {
             bail!("--soft-k {soft_k}: the target's vocabulary has {} tokens", target.n_vocab());
         }
-        Ok(Self { target, mask_token, ctx, max_len, soft_k })
+        Ok(Self { target, mask_token, ctx, max_len, soft_k, template })
     }
 
     pub fn dataset(&self) -> Dataset {
@@ -127,8 +130,7 @@ impl Extractor {
             Conversation::Chat { prompt, answer } => {
                 let user = ChatMessage { role: "user".into(), content: prompt.clone() };
                 let assistant = ChatMessage { role: "assistant".into(), content: answer.clone() };
-                // rendered as every chat path renders it (the model's own template)
-                let template = ChatTemplate::new(&self.target, &TemplateChoice::Model)?;
+                let template = ChatTemplate::new(&self.target, &self.template)?;
                 let prefix = template.render(std::slice::from_ref(&user), true)?;
                 let full = template.render(&[user, assistant], false)?;
                 let prefix = self.target.tokenize(&prefix, true, true)?;

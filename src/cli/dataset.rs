@@ -35,6 +35,9 @@ pub struct DatasetArgs {
     /// log-probabilities, for a distillation loss (0: greedy labels only).
     #[arg(long = "soft-k", default_value_t = 8)]
     pub soft_k: usize,
+    /// How chat rows are rendered: as `dflash2 answer` rendered their prompts.
+    #[command(flatten)]
+    pub template: super::TemplateArgs,
 }
 
 pub fn run(args: &DatasetArgs) -> Result<()> {
@@ -46,7 +49,7 @@ pub fn run(args: &DatasetArgs) -> Result<()> {
     }
     let target = Arc::new(Model::load(&args.model, &ModelParams::default())?);
     let layers = args.layers.clone().unwrap_or_else(|| default_layers(target.n_layer(), args.n_features));
-    let mut ex = Extractor::new(target, mask, layers.clone(), args.max_len, args.threads, args.soft_k)?;
+    let mut ex = Extractor::new(target, mask, layers.clone(), args.max_len, args.threads, args.soft_k, args.template.choice()?)?;
     let mut data = ex.dataset();
     let text = std::fs::read_to_string(&args.conversations)
         .with_context(|| format!("reading {}", args.conversations.display()))?;
