@@ -553,7 +553,7 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             "invalid_request",
             Some("repeat_penalty"),
         ),
-        ("several choices", "/v1/chat/completions", user(json!({ "n": 3 })), 400, "invalid_request", Some("n")),
+        ("too many choices", "/v1/chat/completions", user(json!({ "n": 17 })), 400, "invalid_request", Some("n")),
         (
             "image content",
             "/v1/chat/completions",
@@ -886,6 +886,53 @@ fn logprobs_equal_plain_decoding_in_every_shape() {
         let (code, v) = spec.post(path, &body.to_string());
         assert_eq!((code, v["error"]["param"].as_str()), (400, Some(field)), "{body}: {v}");
     }
+}
+
+/// `n` choices are decoded side by side in the slots: at T = 0 each is the one plain answer
+/// (with a drafter on), at T > 0 each samples with its own seed and a rerun repeats them;
+/// streamed, every chunk names its choice and the pieces add up to the whole answers.
+#[test]
+fn several_choices_come_from_the_slots() {
+    let d = drafter();
+    let spec = Server::start("choices", &["-d", &d, "--block", "4", "-np", "2"]);
+    let plain = Server::start("choices-plain", &[]);
+    let chat = |extra: Value| {
+        let mut body = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 10 });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let one = plain.post_ok("/v1/chat/completions", chat(json!({ "temperature": 0 })));
+    let three = spec.post_ok("/v1/chat/completions", chat(json!({ "temperature": 0, "n": 3 })));
+    let texts = |v: &Value| -> Vec<Value> { v["choices"].as_array().unwrap().iter().map(|c| c["message"]["content"].clone()).collect() };
+    assert_eq!(texts(&three), vec![one["choices"][0]["message"]["content"].clone(); 3]);
+    assert_eq!(three["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    let tokens = one["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(three["usage"]["completion_tokens"].as_u64().unwrap(), 3 * tokens);
+    assert_eq!(three["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+
+    let sampled = chat(json!({ "temperature": 0.9, "seed": 5, "n": 4 }));
+    let a = texts(&spec.post_ok("/v1/chat/completions", sampled.clone()));
+    assert_eq!(a, texts(&spec.post_ok("/v1/chat/completions", sampled.clone())), "a rerun changed the choices");
+    assert!(a.windows(2).any(|w| w[0] != w[1]), "four sampled choices are one answer: {a:?}");
+
+    let mut streamed = sampled.clone();
+    streamed["stream"] = json!(true);
+    let events = spec.post_sse("/v1/chat/completions", streamed);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut pieces = vec![String::new(); 4];
+    let mut finished = 0;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let c = &v["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        pieces[i] += c["delta"]["content"].as_str().unwrap_or_default();
+        finished += c["finish_reason"].is_string() as usize;
+    }
+    assert_eq!(finished, 4);
+    assert_eq!(pieces.into_iter().map(Value::from).collect::<Vec<_>>(), a, "streamed choices differ");
+    let text = spec.post_ok("/v1/completions", json!({ "prompt": "Once", "max_tokens": 6, "n": 2, "temperature": 0 }));
+    assert_eq!(text["choices"][0]["text"], text["choices"][1]["text"]);
+    spec.wait_idle();
 }
 
 #[test]

@@ -173,7 +173,7 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 }
 
 pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
-    one_choice(req.n)?;
+    let n = choices(req.n)?;
     let mut opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     opts.n_probs = match (req.logprobs, req.top_logprobs) {
         (Some(true), n) => Some(count("top_logprobs", n.unwrap_or(0), 20)?),
@@ -185,20 +185,20 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
     let prompt = chat_prompt(&s, req.messages).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let reply = Reply::new(&s, "chatcmpl", Shape::Chat { include_usage }, opts.n_probs.is_some());
-    generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
+    generate(&s, prompt, opts, n, reply, req.stream.unwrap_or(false)).await
 }
 
 pub async fn completions(
     State(s): Shared,
     Sampled(req, sampling): Sampled<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    one_choice(req.n)?;
+    let n = choices(req.n)?;
     let mut opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     opts.n_probs = req.logprobs.map(|n| count("logprobs", n, 5)).transpose()?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage }, opts.n_probs.is_some());
-    generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
+    generate(&s, prompt, opts, n, reply, req.stream.unwrap_or(false)).await
 }
 
 pub async fn llama_completion(
@@ -211,7 +211,7 @@ pub async fn llama_completion(
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone() };
     let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, reply, req.stream.unwrap_or(false)).await
+    generate(&s, prompt, opts, 1, reply, req.stream.unwrap_or(false)).await
 }
 
 /// `POST /infill`: code completion between a prefix and a suffix, in `/completion`'s shapes.
@@ -226,7 +226,7 @@ pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequ
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     let shape = Shape::Llama { return_tokens, stops: opts.stop.clone() };
     let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, reply, stream).await
+    generate(&s, prompt, opts, 1, reply, stream).await
 }
 
 /// A count field between 0 and `max`.
@@ -248,6 +248,7 @@ async fn generate(
     s: &AppState,
     prompt: Vec<Token>,
     opts: GenerateOptions,
+    n: usize,
     reply: Reply,
     stream: bool,
 ) -> Result<Response, ApiError> {
@@ -257,24 +258,38 @@ async fn generate(
     if prompt.len() >= s.n_ctx() {
         return Err(ApiError::ContextExceeded { n_prompt: prompt.len(), n_ctx: s.n_ctx() });
     }
-    let events = s.scheduler.submit(GenRequest { prompt, opts }).map_err(|QueueFull| {
-        s.metrics.rejected();
-        ApiError::Busy
-    })?;
+    // `n` choices are `n` generations of one prompt, decoded side by side in the slots; at T > 0
+    // choice i samples with seed + i (one seed would give n copies of one answer).
+    let mut events = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut opts = opts.clone();
+        opts.sampling.seed = opts.sampling.seed.wrapping_add(i as u64);
+        let rx = s.scheduler.submit(GenRequest { prompt: prompt.clone(), opts }).map_err(|QueueFull| {
+            s.metrics.rejected();
+            ApiError::Busy
+        })?;
+        events.push(rx);
+    }
     if stream {
         return Ok(reply.stream(events));
     }
-    Ok(reply.whole(&collect(events).await?))
+    let mut gens = Vec::with_capacity(n);
+    for rx in events {
+        gens.push(collect(rx).await?);
+    }
+    Ok(reply.whole(&gens))
 }
 
-fn one_choice(n: Option<i64>) -> Result<(), ApiError> {
-    match n {
-        Some(n) if n != 1 => {
-            Err(ApiError::invalid_param("n", format!("`n` = {n}: only one choice per request is supported")))
-        }
-        _ => Ok(()),
+/// OpenAI's `n`: how many choices (1 when absent).
+fn choices(n: Option<i64>) -> Result<usize, ApiError> {
+    match n.unwrap_or(1) {
+        n if (1..=MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
+        n => Err(ApiError::invalid_param("n", format!("`n` must be between 1 and {MAX_CHOICES}, got {n}"))),
     }
 }
+
+/// Most choices one request may ask for.
+const MAX_CHOICES: usize = 16;
 
 /// The request's generation options over the server's defaults, each value range-checked.
 /// No `max_tokens` (named `max_name` in the request) means: until the end of generation or of
@@ -466,7 +481,7 @@ struct Reply {
     /// Log-probabilities were asked for.
     logprobs: bool,
     /// Characters of text streamed so far (OpenAI's legacy `text_offset`).
-    streamed_chars: std::sync::atomic::AtomicUsize,
+    streamed_chars: std::sync::Mutex<Vec<usize>>,
 }
 
 impl Reply {
@@ -490,65 +505,109 @@ impl Reply {
         self.logprobs.then(|| super::logprobs::text(&self.target, probs, offset))
     }
 
-    fn whole(&self, g: &Generation) -> Response {
+    /// The whole answer: one choice per generation (`n`), in order.
+    fn whole(&self, gens: &[Generation]) -> Response {
+        let usage = Some(Usage::of(gens));
+        let timings = Some(Timings::from(&gens[0].stats));
         match &self.shape {
-            Shape::Chat { .. } => Json(self.chat(
-                "chat.completion",
-                ChatChoice {
-                    index: 0,
-                    message: Some(ChatMessageOut { role: Some("assistant"), content: Some(Some(g.text.clone())) }),
-                    delta: None,
-                    finish_reason: Some(finish_reason(g.finish)),
-                    logprobs: self.chat_logprobs(&g.probs),
-                },
-                Some(g),
-            ))
-            .into_response(),
-            Shape::Text { .. } => {
-                let mut body = self.text(g.text.clone(), Some(g));
-                body.choices[0].logprobs = self.text_logprobs(&g.probs, 0);
-                Json(body).into_response()
+            Shape::Chat { .. } => {
+                let choices = gens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, g)| ChatChoice {
+                        index: i as u32,
+                        message: Some(ChatMessageOut { role: Some("assistant"), content: Some(Some(g.text.clone())) }),
+                        delta: None,
+                        finish_reason: Some(finish_reason(g.finish)),
+                        logprobs: self.chat_logprobs(&g.probs),
+                    })
+                    .collect();
+                Json(Completion { usage, timings, ..self.envelope("chat.completion", choices) }).into_response()
             }
-            Shape::Llama { .. } => Json(self.llama_end(g.text.clone(), g)).into_response(),
+            Shape::Text { .. } => {
+                let choices = gens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, g)| TextChoice {
+                        index: i as u32,
+                        text: g.text.clone(),
+                        logprobs: self.text_logprobs(&g.probs, 0),
+                        finish_reason: Some(finish_reason(g.finish)),
+                    })
+                    .collect();
+                Json(Completion { usage, timings, ..self.envelope("text_completion", choices) }).into_response()
+            }
+            Shape::Llama { .. } => Json(self.llama_end(gens[0].text.clone(), &gens[0])).into_response(),
         }
     }
 
-    /// Server-sent events: the pieces as they land, then the end (and `[DONE]` for OpenAI).
-    fn stream(self, events: mpsc::Receiver<GenEvent>) -> Response {
-        let head = match &self.shape {
-            Shape::Chat { .. } => vec![event(&self.chat_delta(Some("assistant"), Some(None), None, None))],
+    /// Server-sent events: the pieces of every choice as they land (tagged with its index),
+    /// each choice's end, then the usage and `[DONE]` for OpenAI.
+    fn stream(self, events: Vec<mpsc::Receiver<GenEvent>>) -> Response {
+        let n = events.len();
+        let head: Vec<Event> = match &self.shape {
+            Shape::Chat { .. } => (0..n).map(|i| event(&self.chat_delta(i, Some("assistant"), Some(None), None, None))).collect(),
             _ => Vec::new(),
         };
-        let body = stream::unfold((events, Some(self)), |(mut events, reply)| async move {
-            let reply = reply?; // gone after the last event
-            let (out, reply) = match events.recv().await {
-                Some(GenEvent::Tokens { tokens, text, probs }) => {
-                    (reply.piece(tokens, text, probs).into_iter().collect(), Some(reply))
+        let tagged = events.into_iter().enumerate().map(|(i, rx)| {
+            stream::unfold(Some(rx), move |rx| async move {
+                let mut rx = rx?;
+                match rx.recv().await {
+                    Some(GenEvent::Done(g)) => Some(((i, GenEvent::Done(g)), None)),
+                    Some(GenEvent::Error(e)) => Some(((i, GenEvent::Error(e)), None)),
+                    Some(e) => Some(((i, e), Some(rx))),
+                    None => Some(((i, GenEvent::Error("the generation ended without a result".into())), None)),
                 }
-                Some(GenEvent::Done(g)) => (reply.tail(&g), None),
-                Some(GenEvent::Error(e)) => (reply.failure(ApiError::Internal(e)), None),
+            })
+            .boxed()
+        });
+        let merged = stream::select_all(tagged);
+        let body = stream::unfold((merged, Some(self), Vec::new()), move |(mut merged, reply, mut done)| async move {
+            let reply = reply?; // gone after the last event
+            let (out, reply) = match merged.next().await {
+                Some((i, GenEvent::Tokens { tokens, text, probs })) => {
+                    (reply.piece(i, tokens, text, probs).into_iter().collect(), Some(reply))
+                }
+                Some((i, GenEvent::Done(g))) => {
+                    let mut out = reply.finish(i, &g);
+                    done.push(*g);
+                    if done.len() < n {
+                        (out, Some(reply))
+                    } else {
+                        out.extend(reply.end(&done));
+                        (out, None)
+                    }
+                }
+                Some((_, GenEvent::Error(e))) => (reply.failure(ApiError::Internal(e)), None),
                 None => (reply.failure(ApiError::Internal("the generation ended without a result".into())), None),
             };
-            Some((stream::iter(out), (events, reply)))
+            Some((stream::iter(out), (merged, reply, done)))
         })
         .flatten();
         let events = stream::iter(head).chain(body).map(Ok::<_, Infallible>);
         Sse::new(events).keep_alive(KeepAlive::default()).into_response()
     }
 
-    /// A streamed piece: its text, and its tokens' log-probabilities when asked for (a piece
-    /// whose text is held back still carries them).
-    fn piece(&self, tokens: Vec<Token>, text: String, probs: Vec<TokenProb>) -> Option<Event> {
+    /// A streamed piece of choice `index`: its text, and its tokens' log-probabilities when
+    /// asked for (a piece whose text is held back still carries them).
+    fn piece(&self, index: usize, tokens: Vec<Token>, text: String, probs: Vec<TokenProb>) -> Option<Event> {
         let with_probs = self.logprobs && !probs.is_empty();
         match &self.shape {
             Shape::Chat { .. } if !text.is_empty() || with_probs => {
-                let mut chunk = self.chat_delta(None, Some(Some(text)), None, None);
+                let mut chunk = self.chat_delta(index, None, Some(Some(text)), None, None);
                 chunk.choices[0].logprobs = self.chat_logprobs(&probs);
                 Some(event(&chunk))
             }
             Shape::Text { .. } if !text.is_empty() || with_probs => {
-                let offset = self.streamed_chars.fetch_add(text.chars().count(), std::sync::atomic::Ordering::Relaxed);
-                let mut chunk = self.text_piece(text, None, None, None);
+                let offset = {
+                    let mut chars = self.streamed_chars.lock().expect("never poisoned: no panics inside");
+                    let len = chars.len().max(index + 1);
+                    chars.resize(len, 0);
+                    let before = chars[index];
+                    chars[index] += text.chars().count();
+                    before
+                };
+                let mut chunk = self.text_piece(index, text, None);
                 chunk.choices[0].logprobs = self.text_logprobs(&probs, offset);
                 Some(event(&chunk))
             }
@@ -561,36 +620,33 @@ impl Reply {
         }
     }
 
-    fn tail(&self, g: &Generation) -> Vec<Event> {
+    /// The end of choice `index` (llama-server's: the whole end object).
+    fn finish(&self, index: usize, g: &Generation) -> Vec<Event> {
         let reason = Some(finish_reason(g.finish));
         let timings = Some(Timings::from(&g.stats));
         match &self.shape {
-            Shape::Chat { include_usage } => {
-                let mut out = vec![event(&self.chat_delta(None, None, reason, timings))];
-                if *include_usage {
-                    let usage = Some(Usage::from(g));
-                    out.push(event(&ChatCompletion {
-                        choices: Vec::new(),
-                        usage,
-                        ..self.chat_delta(None, None, None, None)
-                    }));
-                }
-                out.push(done());
-                out
-            }
-            Shape::Text { include_usage } => {
-                let mut out = vec![event(&self.text_piece(String::new(), reason, None, timings))];
-                if *include_usage {
-                    out.push(event(&TextCompletion {
-                        choices: Vec::new(),
-                        ..self.text_piece(String::new(), None, Some(Usage::from(g)), None)
-                    }));
-                }
-                out.push(done());
-                out
-            }
+            Shape::Chat { .. } => vec![event(&self.chat_delta(index, None, None, reason, timings))],
+            Shape::Text { .. } => vec![event(&Completion { timings, ..self.text_piece(index, String::new(), reason) })],
             Shape::Llama { .. } => vec![event(&self.llama_end(String::new(), g))],
         }
+    }
+
+    /// After every choice ended: the usage (when asked for) and `[DONE]` (OpenAI's shapes).
+    fn end(&self, gens: &[Generation]) -> Vec<Event> {
+        let usage = Some(Usage::of(gens));
+        let mut out = Vec::new();
+        match &self.shape {
+            Shape::Chat { include_usage: true } => {
+                out.push(event(&ChatCompletion { usage, ..self.envelope("chat.completion.chunk", Vec::new()) }))
+            }
+            Shape::Text { include_usage: true } => {
+                out.push(event(&TextCompletion { usage, ..self.envelope("text_completion", Vec::new()) }))
+            }
+            Shape::Llama { .. } => return out,
+            _ => {}
+        }
+        out.push(done());
+        out
     }
 
     fn failure(&self, e: ApiError) -> Vec<Event> {
@@ -601,56 +657,34 @@ impl Reply {
         }
     }
 
-    fn chat(&self, object: &'static str, choice: ChatChoice, g: Option<&Generation>) -> ChatCompletion {
+    fn envelope<C>(&self, object: &'static str, choices: Vec<C>) -> Completion<C> {
         Completion {
             id: self.id.clone(),
             object,
             created: self.created,
             model: self.model.clone(),
             system_fingerprint: SYSTEM_FINGERPRINT,
-            choices: vec![choice],
-            usage: g.map(Usage::from),
-            timings: g.map(|g| Timings::from(&g.stats)),
+            choices,
+            usage: None,
+            timings: None,
         }
     }
 
     fn chat_delta(
         &self,
+        index: usize,
         role: Option<&'static str>,
         content: Option<Option<String>>,
         finish: Option<&'static str>,
         timings: Option<Timings>,
     ) -> ChatCompletion {
         let delta = ChatMessageOut { role, content };
-        let choice = ChatChoice { index: 0, message: None, delta: Some(delta), finish_reason: finish, logprobs: None };
-        ChatCompletion { timings, ..self.chat("chat.completion.chunk", choice, None) }
+        let choice = ChatChoice { index: index as u32, message: None, delta: Some(delta), finish_reason: finish, logprobs: None };
+        ChatCompletion { timings, ..self.envelope("chat.completion.chunk", vec![choice]) }
     }
 
-    fn text(&self, text: String, g: Option<&Generation>) -> TextCompletion {
-        Completion {
-            usage: g.map(Usage::from),
-            timings: g.map(|g| Timings::from(&g.stats)),
-            ..self.text_piece(text, g.map(|g| finish_reason(g.finish)), None, None)
-        }
-    }
-
-    fn text_piece(
-        &self,
-        text: String,
-        finish: Option<&'static str>,
-        usage: Option<Usage>,
-        timings: Option<Timings>,
-    ) -> TextCompletion {
-        Completion {
-            id: self.id.clone(),
-            object: "text_completion",
-            created: self.created,
-            model: self.model.clone(),
-            system_fingerprint: SYSTEM_FINGERPRINT,
-            choices: vec![TextChoice { index: 0, text, logprobs: None, finish_reason: finish }],
-            usage,
-            timings,
-        }
+    fn text_piece(&self, index: usize, text: String, finish: Option<&'static str>) -> TextCompletion {
+        self.envelope("text_completion", vec![TextChoice { index: index as u32, text, logprobs: None, finish_reason: finish }])
     }
 
     fn llama_end(&self, content: String, g: &Generation) -> LlamaCompletion {

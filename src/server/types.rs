@@ -241,9 +241,11 @@ pub struct Usage {
     pub total_tokens: usize,
 }
 
-impl From<&Generation> for Usage {
-    fn from(g: &Generation) -> Self {
-        let (p, c) = (g.stats.n_prompt, g.tokens.len());
+impl Usage {
+    /// One prompt and the completions of every choice.
+    pub fn of(gens: &[Generation]) -> Self {
+        let p = gens.first().map_or(0, |g| g.stats.n_prompt);
+        let c = gens.iter().map(|g| g.tokens.len()).sum::<usize>();
         Self { prompt_tokens: p, completion_tokens: c, total_tokens: p + c }
     }
 }
