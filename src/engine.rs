@@ -11,6 +11,7 @@ use crate::draft::select::{proposal, sample_draft, BestPath, Greedy, Selector, T
 use crate::draft::{lattice, DraftTree, Origin};
 use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
 pub use crate::target::Repack;
+use crate::llama::Grammar;
 use crate::sampling::{token_probs, Distribution, Sampler, SamplingParams, TokenProb};
 use crate::verify::{accept_greedy, verify_tree};
 use std::path::PathBuf;
@@ -133,6 +134,9 @@ pub struct GenerateOptions {
     pub lookup_ngram: usize,
     pub stop: Vec<String>,
     pub sampling: SamplingParams,
+    /// Constrain the output to this GBNF grammar (root rule `root`): the target law is the
+    /// grammar-masked one, for plain and speculative decoding alike.
+    pub grammar: Option<String>,
     /// Report each output token's log-probability and this many likeliest alternatives
     /// (None: none), from the same target rows that chose it.
     pub n_probs: Option<usize>,
@@ -166,6 +170,7 @@ impl Default for GenerateOptions {
             stop: Vec::new(),
             sampling: SamplingParams::default(),
             n_probs: None,
+            grammar: None,
             verifier: Verifier::Rejection,
         }
     }
@@ -346,6 +351,9 @@ struct Plan {
     row0: usize,
     /// Leaf sequences of a token tree (0 for a path).
     n_leaves: usize,
+    /// With a grammar: its state after each node's token (None under a token it forbids,
+    /// which only sampled drafts keep: the target never accepts it).
+    states: Vec<Option<Grammar>>,
 }
 
 pub struct Engine {
@@ -521,6 +529,7 @@ impl Engine {
             stats: Stats { n_prompt: prompt.len(), ..Stats::default() },
             out: Output::default(),
             probs: Vec::new(),
+            grammar: opts.grammar.as_deref().map(|g| Grammar::new(self.target.model(), g)).transpose()?,
             next: 0,
             finish: None,
             speculative,
@@ -529,6 +538,9 @@ impl Engine {
         };
         let (first, first_prob) = self.prefill(slot, prompt, &mut run)?;
         run.next = first;
+        if let Some(g) = run.grammar.as_mut().filter(|_| !self.target.model().is_eog(first)) {
+            g.accept(first)?;
+        }
         if speculative && opts.adaptive {
             let largest = if opts.select == SelectMode::Tree { opts.tree_budget + 1 } else { opts.block };
             self.calibrate(slot, largest)?;
@@ -569,6 +581,7 @@ impl Engine {
         let trees = self.slots.len() == 1;
         for p in plans.iter_mut() {
             self.select(p, &mut *runs[p.run], trees);
+            constrain(p, &runs[p.run]);
         }
         self.fill_verify_batch(&mut plans)?;
         let t2 = Instant::now();
@@ -656,6 +669,7 @@ impl Engine {
                 gains: Vec::new(),
                 row0: 0,
                 n_leaves: 0,
+                states: Vec::new(),
             });
         }
         plans
@@ -832,7 +846,7 @@ impl Engine {
     /// the committed tokens (accepted drafts, then the target's own next token).
     fn accept_and_commit(&mut self, p: &Plan, run: &mut Run) -> Result<(Vec<Token>, Vec<TokenProb>)> {
         let (mut path, mut next) = if run.sampler.is_greedy() {
-            self.accept_greedy(p, &run.sampler)?
+            self.accept_greedy(p, run)?
         } else {
             let temperature = run.sampler.params().temperature;
             let qs: Vec<Vec<(i32, f32)>> = p
@@ -848,10 +862,12 @@ impl Engine {
                 })
                 .collect();
             let (history, cached, target) = (&mut self.history, &self.slots[p.slot].cached, &self.target);
+            let grammar = run.grammar.as_ref();
             let (law, rng) = run.sampler.params_and_rng();
             let mut target_law = |row: usize| -> Result<Distribution> {
                 fill_row_history(history, cached, p.last, &p.tree, row, law);
-                Ok(law.distribution(target.logits(p.row0 + row)?, history))
+                let state = if row == 0 { Ok(grammar) } else { node_grammar(p, grammar, row - 1) };
+                Ok(law.distribution(&masked(target.logits(p.row0 + row)?, state?), history))
             };
             if run.opts.verifier == Verifier::AcceptAll {
                 let principal = p.tree.principal_path();
@@ -886,7 +902,7 @@ impl Engine {
         if in_order < path.len() {
             let t = Instant::now();
             let tail = path.split_off(in_order);
-            let (kept, bonus) = self.redecode_branch(p, &tail, &run.sampler)?;
+            let (kept, bonus) = self.redecode_branch(p, &tail, run)?;
             path.extend_from_slice(&tail[..kept]);
             next = bonus.unwrap_or(next);
             if let Some(n) = run.opts.n_probs {
@@ -908,6 +924,12 @@ impl Engine {
         let slot = &mut self.slots[p.slot];
         slot.cached.push(p.last);
         let mut committed: Vec<Token> = path.iter().map(|&i| p.tree.nodes[i].token).collect();
+        if let Some(g) = run.grammar.as_mut() {
+            // the output ends at an end-of-generation token: nothing after it is the grammar's
+            for &t in committed.iter().chain([&next]).take_while(|&&t| !self.target.model().is_eog(t)) {
+                g.accept(t)?;
+            }
+        }
         slot.cached.extend_from_slice(&committed);
         committed.push(next);
         run.stats.record_cycle(p.tree.len(), n_acc);
@@ -966,11 +988,13 @@ impl Engine {
     }
 
     /// Greedy verification: follow the target's argmax down the plan's draft.
-    fn accept_greedy(&mut self, p: &Plan, sampler: &Sampler) -> Result<(Vec<usize>, Token)> {
+    fn accept_greedy(&mut self, p: &Plan, run: &Run) -> Result<(Vec<usize>, Token)> {
         let (history, cached, target) = (&mut self.history, &self.slots[p.slot].cached, &self.target);
+        let sampler = &run.sampler;
         let accepted = accept_greedy(&p.tree, |row| -> Result<Token> {
             fill_row_history(history, cached, p.last, &p.tree, row, sampler.params());
-            Ok(sampler.distribution(target.logits(p.row0 + row)?, history).argmax())
+            let logits = masked(target.logits(p.row0 + row)?, row_grammar(p, run, row)?);
+            Ok(sampler.distribution(&logits, history).argmax())
         })?;
         Ok((accepted.nodes, accepted.bonus))
     }
@@ -1005,7 +1029,8 @@ impl Engine {
     /// certain. Returns how many nodes of `tail` are kept and, when verified again, the
     /// target's next token after them. (At T > 0 the rounding of the tree rows changes the
     /// target's law by far less than any test can see; the sampled token stands.)
-    fn redecode_branch(&mut self, p: &Plan, tail: &[usize], sampler: &Sampler) -> Result<(usize, Option<Token>)> {
+    fn redecode_branch(&mut self, p: &Plan, tail: &[usize], run: &Run) -> Result<(usize, Option<Token>)> {
+        let sampler = &run.sampler;
         let seq = p.slot as i32;
         let pos0 = p.pos0 + p.tree.nodes[tail[0]].depth;
         self.target.seq_rm(seq, pos0 as i32, -1)?;
@@ -1015,7 +1040,7 @@ impl Engine {
         }
         self.target.decode(&self.batch, "re-decode of an accepted branch")?;
         let (kept, next) = if sampler.is_greedy() {
-            let (kept, next) = self.reverify_branch(p, tail, sampler)?;
+            let (kept, next) = self.reverify_branch(p, tail, sampler, run.grammar.as_ref())?;
             (kept, Some(next))
         } else {
             (tail.len(), None)
@@ -1031,16 +1056,21 @@ impl Engine {
 
     /// Greedy verification of a re-decoded `tail` on the rows of the last decode: how
     /// many of its nodes the target confirms and its next token after them.
-    fn reverify_branch(&mut self, p: &Plan, tail: &[usize], sampler: &Sampler) -> Result<(usize, Token)> {
+    fn reverify_branch(&mut self, p: &Plan, tail: &[usize], sampler: &Sampler, grammar: Option<&Grammar>) -> Result<(usize, Token)> {
         let mut history = std::mem::take(&mut self.history);
         // the last row always ends the loop: no node follows it
         let mut confirmed: Result<(usize, Token)> = Ok((tail.len(), 0));
         for (row, &node) in tail.iter().enumerate() {
             fill_row_history(&mut history, &self.slots[p.slot].cached, p.last, &p.tree, node + 1, sampler.params());
-            let predicted = match self.target.logits(row) {
-                Ok(l) => sampler.distribution(l, &history).argmax(),
-                Err(e) => {
+            let state = node_grammar(p, grammar, node);
+            let predicted = match (self.target.logits(row), state) {
+                (Ok(l), Ok(state)) => sampler.distribution(&masked(l, state), &history).argmax(),
+                (Err(e), _) => {
                     confirmed = Err(e.into());
+                    break;
+                }
+                (_, Err(e)) => {
+                    confirmed = Err(e);
                     break;
                 }
             };
@@ -1081,7 +1111,7 @@ impl Engine {
             last_logits_row = chunk.len() - 1;
         }
         let logits = self.target.logits(last_logits_row)?;
-        let first = run.sampler.pick(logits, prompt);
+        let first = run.sampler.pick(&masked(logits, run.grammar.as_ref()), prompt);
         Ok((first, run.opts.n_probs.map(|n| token_probs(logits, first, n))))
     }
 
@@ -1220,6 +1250,60 @@ fn fill_row_history(
     }
 }
 
+/// `logits` with what `grammar` forbids masked out (borrowed as they are without one).
+fn masked<'a>(logits: &'a [f32], grammar: Option<&Grammar>) -> std::borrow::Cow<'a, [f32]> {
+    match grammar {
+        None => std::borrow::Cow::Borrowed(logits),
+        Some(g) => std::borrow::Cow::Owned(g.mask(logits)),
+    }
+}
+
+/// The grammar state after node `node` of `p`'s draft (`run_grammar` is the run's).
+fn node_grammar<'a>(p: &'a Plan, run_grammar: Option<&'a Grammar>, node: usize) -> Result<Option<&'a Grammar>> {
+    match run_grammar {
+        None => Ok(None),
+        Some(_) => match p.states.get(node) {
+            Some(Some(g)) => Ok(Some(g)),
+            _ => Err(EngineError::Config(format!("no grammar state below draft node {node}: the target took a token the grammar forbids"))),
+        },
+    }
+}
+
+/// The grammar state of verify row `row` (0: the anchor, the run's own state).
+fn row_grammar<'a>(p: &'a Plan, run: &'a Run, row: usize) -> Result<Option<&'a Grammar>> {
+    match row {
+        0 => Ok(run.grammar.as_ref()),
+        r => node_grammar(p, run.grammar.as_ref(), r - 1),
+    }
+}
+
+/// Follow the grammar down `p`'s draft: each node's state after its token. At T = 0 the
+/// tokens it forbids (and what hangs below them) are cut before verification: the target
+/// would never take them. Sampled drafts keep them (dropping a drawn token would bias the
+/// rejection sampler), and verification rejects them.
+fn constrain(p: &mut Plan, run: &Run) {
+    let Some(g) = run.grammar.as_ref() else { return };
+    let mut states: Vec<Option<Grammar>> = Vec::with_capacity(p.tree.len());
+    for n in &p.tree.nodes {
+        let parent = match n.parent {
+            None => Some(g),
+            Some(i) => states[i].as_ref(),
+        };
+        let state = parent.filter(|s| s.allows(n.token)).and_then(|s| {
+            let mut next = s.clone();
+            next.accept(n.token).ok().map(|_| next)
+        });
+        states.push(state);
+    }
+    if run.sampler.is_greedy() && states.iter().any(Option::is_none) {
+        let keep: Vec<bool> = states.iter().map(Option::is_some).collect();
+        p.tree = p.tree.retain(&keep);
+        states.retain(Option::is_some);
+        p.gains = p.tree.gains();
+    }
+    p.states = states;
+}
+
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
@@ -1233,6 +1317,8 @@ pub struct Run {
     out: Output,
     /// Log-probabilities of `out.tokens` (when asked for).
     probs: Vec<TokenProb>,
+    /// The grammar's state after the committed tokens (`GenerateOptions::grammar`).
+    grammar: Option<Grammar>,
     /// The last committed token, not yet decoded by the target.
     next: Token,
     finish: Option<FinishReason>,

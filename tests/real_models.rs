@@ -158,6 +158,53 @@ fn smollm2_tree_side_branches_match_plain_decoding() {
     assert!(tally[0].redecoded > 0, "no side branch was accepted: the test no longer covers them");
 }
 
+/// Constrained output (a JSON schema through llama.cpp's converter, and a GBNF grammar): the
+/// grammar-masked target law is what plain and speculative decoding both follow, so every mode
+/// gives plain decoding's tokens; drafts the grammar forbids are cut before verification.
+#[test]
+fn smollm2_grammar_constrained_output_is_lossless() {
+    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter));
+    let (target, drafter) = Engine::load_models(&cfg).unwrap();
+    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
+    let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
+    let schema = r#"{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}"#;
+    let json = dflash2::llama::Grammar::from_json_schema(schema).unwrap();
+    let yes_no = r#"root ::= ("yes" | "no") ", because " [a-z ]+ ".""#.to_string();
+    let cases = [("Describe a person called Ann who is 31.", json.clone()), ("Is the sea salty?", yes_no)];
+    for (text, grammar) in cases {
+        let prompt = chat_prompt(&target, text);
+        let opts = GenerateOptions { n_predict: 48, select: SelectMode::None, grammar: Some(grammar.clone()), ..Default::default() };
+        let baseline = plain.generate(&prompt, &opts, |_| true).unwrap_or_else(|e| panic!("{e}: {grammar}"));
+        for (select, lookup) in [(SelectMode::Greedy, false), (SelectMode::BestPath, false), (SelectMode::Tree, true)] {
+            let opts = GenerateOptions { select, block: 8, lookup, ..opts.clone() };
+            let g = spec.generate(&prompt, &opts, |_| true).unwrap();
+            assert_eq!(g.tokens, baseline.tokens, "{select:?} on {text:?}: {:?} vs {:?}", g.text, baseline.text);
+            assert!(g.stats.n_drafted > 0);
+        }
+        if grammar == json {
+            let v: serde_json::Value = serde_json::from_str(&baseline.text).unwrap_or_else(|e| panic!("{e}: {:?}", baseline.text));
+            assert!(v["name"].is_string() && v["age"].is_i64(), "{v}");
+        } else {
+            assert!(baseline.text.starts_with("yes, because ") || baseline.text.starts_with("no, because "), "{:?}", baseline.text);
+        }
+    }
+    // At T > 0 sampled drafts keep what the grammar forbids and verification rejects it: every
+    // sample still follows the grammar.
+    let prompt = chat_prompt(&target, "Describe a person called Ann who is 31.");
+    for seed in 0..6 {
+        let sampling = dflash2::sampling::SamplingParams { temperature: 0.8, seed, ..Default::default() };
+        let opts = GenerateOptions { n_predict: 64, select: SelectMode::Tree, block: 8, grammar: Some(json.clone()), sampling, ..Default::default() };
+        let g = spec.generate(&prompt, &opts, |_| true).unwrap();
+        if g.finish == dflash2::engine::FinishReason::Eog {
+            let v: serde_json::Value = serde_json::from_str(&g.text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {:?}", g.text));
+            assert!(v["name"].is_string() && v["age"].is_i64(), "{v}");
+        } else {
+            assert!(g.text.starts_with('{'), "seed {seed}: {:?}", g.text);
+        }
+    }
+}
+
 /// A quantized target K cache (`-ctk q8_0`, llama.cpp's memory saver) and f16 drafter
 /// caches: speculative output still equals plain decoding with the same target cache.
 #[test]

@@ -279,7 +279,10 @@ fn the_openai_client_gets_chat_completions_and_streams() {
     let (greedy, biased) = (r["chat"]["text"].as_str().unwrap(), r["biased"].as_str().unwrap());
     assert_ne!(biased, greedy, "banning token {} changed nothing", r["banned_first"]);
     assert_ne!(r["penalised"], r["chat"]["text"], "the penalties changed nothing");
-    assert_eq!(r["json_object"], json!({ "status": 400, "param": "response_format" }));
+    assert_eq!(r["bad_format"], json!({ "status": 400, "param": "response_format" }));
+    let structured: Value = serde_json::from_str(r["structured"]["text"].as_str().unwrap()).unwrap();
+    assert!(structured == "yes" || structured == "no", "{}", r["structured"]);
+    assert_eq!(r["structured"]["finish"], "stop");
     let logprobs = r["logprobs"].as_array().unwrap();
     assert_eq!(logprobs.len(), 24, "{logprobs:?}");
     assert!(logprobs.iter().all(|t| t[2] == 2), "{logprobs:?}");
@@ -781,7 +784,6 @@ fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
     for (body, field) in [
         (r#"{"prompt": "hi", "typical_p": 0.5}"#, "typical_p"),
         (r#"{"prompt": "hi", "mirostat": 2}"#, "mirostat"),
-        (r#"{"prompt": "hi", "grammar": "root ::= \"a\""}"#, "grammar"),
         (r#"{"prompt": "hi", "samplers": ["temperature", "top_k"]}"#, "samplers"),
         (r#"{"prompt": "hi", "logit_bias": {"999999999": 1}}"#, "logit_bias"),
         (r#"{"prompt": "hi", "logit_bias": {"1": "a lot"}}"#, "logit_bias"),
@@ -791,9 +793,23 @@ fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
         assert_eq!(code, 400, "{body}: {v}");
         assert_eq!(v["error"]["param"], field, "{body}: {v}");
     }
-    let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "response_format": { "type": "json_object" } });
-    let (code, v) = spec.post("/v1/chat/completions", &chat.to_string());
-    assert_eq!((code, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
+    for (extra, field) in [
+        (json!({ "response_format": { "type": "xml" } }), "response_format"),
+        (json!({ "grammar": "root ::= (" }), "grammar"),
+        (json!({ "grammar": "root ::= \"a\"", "json_schema": {} }), "grammar"),
+        (json!({ "json_schema": {}, "response_format": { "type": "json_object" } }), "json_schema"),
+        (json!({ "json_schema": { "type": "no such type" } }), "json_schema"),
+    ] {
+        let mut chat = json!({ "messages": [{ "role": "user", "content": "hi" }] });
+        chat.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (code, v) = spec.post("/v1/chat/completions", &chat.to_string());
+        assert_eq!((code, v["error"]["param"].as_str()), (400, Some(field)), "{chat}: {v}");
+    }
+    // a grammar arrives: the answer is what it allows, with a drafter as without
+    let body = json!({ "prompt": "Once upon a time", "n_predict": 12, "grammar": "root ::= [a-c]+ \".\"" });
+    let (a, b) = (plain.post_ok("/completion", body.clone()), spec.post_ok("/completion", body));
+    assert_eq!(a["content"], b["content"]);
+    assert!(a["content"].as_str().unwrap().chars().all(|c| "abc.".contains(c)), "{a}");
     spec.assert_healthy("after refused fields");
 }
 

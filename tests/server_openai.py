@@ -124,13 +124,16 @@ def basic(base, model):
     out["banned_first"] = first
     out["biased"] = chat(c, model, messages, False, logit_bias={str(first): -100}, **kw)["text"]
     out["penalised"] = chat(c, model, messages, True, presence_penalty=0.5, frequency_penalty=1.5, **kw)["text"]
+    # Structured output: a JSON schema constrains the answer (OpenAI's response_format shape).
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    r = c.chat.completions.create(model=model, messages=messages, max_tokens=16, response_format=fmt, temperature=0)
+    out["structured"] = {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason}
     try:
-        c.chat.completions.create(
-            model=model, messages=messages, max_tokens=4, response_format={"type": "json_object"}
-        )
-        out["json_object"] = None
+        c.chat.completions.create(model=model, messages=messages, max_tokens=4, response_format={"type": "xml"})
+        out["bad_format"] = None
     except openai.BadRequestError as e:
-        out["json_object"] = {"status": e.status_code, "param": e.param}
+        out["bad_format"] = {"status": e.status_code, "param": e.param}
     # Log-probabilities as the SDK parses them, whole and streamed.
     r = c.chat.completions.create(model=model, messages=messages, logprobs=True, top_logprobs=2, **kw)
     out["logprobs"] = [(t.token, t.logprob, len(t.top_logprobs)) for t in r.choices[0].logprobs.content]

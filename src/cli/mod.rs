@@ -155,6 +155,15 @@ pub struct SamplingArgs {
     /// Random seed.
     #[arg(long = "seed", default_value_t = 0xD1F1A5)]
     pub seed: u64,
+    /// Constrain the output to a GBNF grammar (root rule `root`), as llama.cpp's `--grammar`.
+    #[arg(long, conflicts_with_all = ["grammar_file", "json_schema"])]
+    pub grammar: Option<String>,
+    /// GBNF grammar read from a file.
+    #[arg(long = "grammar-file", conflicts_with = "json_schema")]
+    pub grammar_file: Option<std::path::PathBuf>,
+    /// Constrain the output to a JSON schema (`{}`: any JSON), as llama.cpp's `-j`.
+    #[arg(short = 'j', long = "json-schema")]
+    pub json_schema: Option<String>,
 }
 
 impl SamplingArgs {
@@ -171,6 +180,22 @@ impl SamplingArgs {
             logit_bias: self.logit_bias.clone(),
             seed: self.seed,
         }
+    }
+}
+
+impl SamplingArgs {
+    /// The GBNF grammar these flags ask for, if any.
+    pub fn grammar(&self) -> anyhow::Result<Option<String>> {
+        Ok(match (&self.grammar, &self.grammar_file, &self.json_schema) {
+            (Some(g), _, _) => Some(g.clone()),
+            (_, Some(path), _) => Some(
+                std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?,
+            ),
+            (_, _, Some(schema)) => Some(
+                crate::llama::Grammar::from_json_schema(schema).map_err(|e| anyhow::anyhow!("--json-schema: {e}"))?,
+            ),
+            _ => None,
+        })
     }
 }
 
@@ -436,6 +461,7 @@ impl EngineArgs {
             lookup_ngram: self.draft.lookup_ngram,
             stop,
             sampling: self.sampling.params(),
+            grammar: self.sampling.grammar()?,
             ..Default::default()
         })
     }

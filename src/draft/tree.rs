@@ -192,6 +192,20 @@ impl DraftTree {
         DraftTree { nodes }.best_first(budget)
     }
 
+    /// The nodes where `keep` holds, parents remapped; a node kept must have its parent kept.
+    pub fn retain(&self, keep: &[bool]) -> DraftTree {
+        let mut new_index = vec![usize::MAX; self.len()];
+        let mut nodes = Vec::new();
+        for (old, n) in self.nodes.iter().enumerate().filter(|&(i, _)| keep[i]) {
+            new_index[old] = nodes.len();
+            let mut n = n.clone();
+            n.parent = n.parent.map(|p| new_index[p]);
+            debug_assert!(n.parent != Some(usize::MAX), "a kept node's parent was dropped");
+            nodes.push(n);
+        }
+        DraftTree { nodes }
+    }
+
     /// The nodes reordered by path probability, likeliest first (a child is never likelier
     /// than its parent, and the sort is stable, so parents stay first), at most `budget`.
     pub fn best_first(&self, budget: usize) -> DraftTree {

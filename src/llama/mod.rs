@@ -9,12 +9,14 @@
 
 mod batch;
 mod context;
+mod grammar;
 mod model;
 mod shim;
 mod upstream;
 
 pub use batch::Batch;
 pub use context::{CacheType, Context, ContextParams, FeatureSource};
+pub use grammar::Grammar;
 pub use model::{apply_llama_template, builtin_chat_templates, quantize, ChatMessage, FimTokens, Model, ModelParams, QUANT_TYPES};
 pub use upstream::UpstreamDrafter;
 

@@ -78,7 +78,7 @@ impl Model {
         self.ptr.as_ptr()
     }
 
-    fn vocab_ptr(&self) -> *const sys::llama_vocab {
+    pub(super) fn vocab_ptr(&self) -> *const sys::llama_vocab {
         self.vocab.as_ptr()
     }
 

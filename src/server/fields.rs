@@ -42,13 +42,6 @@ const UNBUILT: &[Unbuilt] = &[
         neutral: |v| null_or(v, |v| v == &Value::Bool(false)),
         needs: "probabilities after the samplers (the raw target's are reported)",
     },
-    Unbuilt { name: "grammar", neutral: empty, needs: "constrained decoding" },
-    Unbuilt { name: "json_schema", neutral: |v| v.is_null(), needs: "constrained decoding" },
-    Unbuilt {
-        name: "response_format",
-        neutral: |v| null_or(v, |v| v.get("type").and_then(Value::as_str) == Some("text")),
-        needs: "constrained decoding (only {\"type\": \"text\"} is served)",
-    },
     Unbuilt { name: "tools", neutral: empty, needs: "tool calling" },
     Unbuilt {
         name: "tool_choice",
@@ -130,6 +123,56 @@ pub fn check_samplers(v: Option<&Value>, law: &crate::sampling::SamplingParams) 
     Ok(())
 }
 
+/// The GBNF grammar a request constrains its output to: llama-server's `grammar` (GBNF),
+/// `json_schema`, or OpenAI's `response_format` (`json_object`, optionally with a `schema`, or
+/// `json_schema` with `json_schema.schema`); JSON schemas through llama.cpp's converter.
+pub fn grammar(
+    grammar: Option<&str>,
+    json_schema: Option<&Value>,
+    response_format: Option<&Value>,
+    model: &Model,
+) -> Result<Option<String>, ApiError> {
+    let from_format = match response_format.filter(|v| !v.is_null()) {
+        None => None,
+        Some(rf) => match rf.get("type").and_then(Value::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some(rf.get("schema").cloned().unwrap_or_else(|| Value::Object(Default::default()))),
+            Some("json_schema") => Some(
+                rf.pointer("/json_schema/schema").or_else(|| rf.get("schema")).cloned().unwrap_or_else(|| Value::Object(Default::default())),
+            ),
+            _ => {
+                return Err(ApiError::invalid_param(
+                    "response_format",
+                    format!("`response_format` = {rf}: the type must be text, json_object or json_schema"),
+                ))
+            }
+        },
+    };
+    let schema = match (json_schema.filter(|v| !v.is_null()), from_format) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid_param("json_schema", "give `json_schema` or `response_format`, not both"))
+        }
+        (Some(s), None) => Some(("json_schema", s.clone())),
+        (None, Some(s)) => Some(("response_format", s)),
+        (None, None) => None,
+    };
+    let gbnf = match (grammar.filter(|g| !g.is_empty()), schema) {
+        (Some(_), Some((name, _))) => {
+            return Err(ApiError::invalid_param("grammar", format!("give `grammar` or `{name}`, not both")))
+        }
+        (Some(g), None) => ("grammar", g.to_string()),
+        (None, Some((name, schema))) => {
+            let g = crate::llama::Grammar::from_json_schema(&schema.to_string())
+                .map_err(|e| ApiError::invalid_param(name, format!("`{name}`: {e}")))?;
+            (name, g)
+        }
+        (None, None) => return Ok(None),
+    };
+    // Parsed here so that a bad grammar is the client's 400, not a failed generation.
+    crate::llama::Grammar::new(model, &gbnf.1).map_err(|e| ApiError::invalid_param(gbnf.0, format!("`{}`: {e}", gbnf.0)))?;
+    Ok(Some(gbnf.1))
+}
+
 /// `logit_bias` as OpenAI sends it (`{"15043": 1.5}`) or llama-server (`[[15043, 1.5]]`, a text
 /// instead of an id biases each of its tokens, `false` bans).
 pub fn logit_bias(v: Option<&Value>, model: &Model) -> Result<Vec<(i32, f32)>, ApiError> {
@@ -187,11 +230,11 @@ mod tests {
     #[test]
     fn neutral_values_pass_and_others_name_their_field() {
         let webui = json!({ "typical_p": 1, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0, "top_n_sigma": -1,
-            "dynatemp_range": 0, "post_sampling_probs": false, "grammar": "", "tools": [], "tool_choice": "auto",
-            "response_format": { "type": "text" }, "id_slot": -1, "cache_prompt": true, "lora": [] });
+            "dynatemp_range": 0, "post_sampling_probs": false, "tools": [], "tool_choice": "auto",
+            "id_slot": -1, "cache_prompt": true, "lora": [] });
         refuse_unbuilt(&webui).unwrap();
-        for (field, value) in [("typical_p", json!(0.9)), ("grammar", json!("root ::= \"a\"")), ("post_sampling_probs", json!(true)),
-            ("response_format", json!({ "type": "json_object" })), ("tools", json!([{ "type": "function" }])), ("id_slot", json!(0))]
+        for (field, value) in [("typical_p", json!(0.9)), ("post_sampling_probs", json!(true)),
+            ("tools", json!([{ "type": "function" }])), ("id_slot", json!(0))]
         {
             let ApiError::InvalidRequest { param, message } = refuse_unbuilt(&json!({ field: value })).unwrap_err() else { panic!() };
             assert_eq!(param.as_deref(), Some(field));

@@ -337,6 +337,7 @@ fn options(
         },
     };
     super::fields::check_samplers(f.samplers.as_ref(), &sampling)?;
+    let grammar = super::fields::grammar(f.grammar.as_deref(), f.json_schema.as_ref(), f.response_format.as_ref(), s.model())?;
     let lookup = f.lookup.unwrap_or(s.defaults.lookup);
     let max_ngram = crate::draft::lookup::MAX_NGRAM as i64;
     let lookup_ngram = match f.lookup_ngram {
@@ -361,6 +362,7 @@ fn options(
         lookup_ngram,
         stop: f.stop.map(Stop::into_vec).unwrap_or_default(),
         sampling,
+        grammar,
         ..GenerateOptions::default()
     })
 }

@@ -27,6 +27,10 @@ pub struct SamplingFields {
     pub logit_bias: Option<serde_json::Value>,
     /// llama.cpp's sampler order, checked against this server's (`fields::check_samplers`).
     pub samplers: Option<serde_json::Value>,
+    /// Constrained output (`fields::grammar`): GBNF, a JSON schema, or OpenAI's response format.
+    pub grammar: Option<String>,
+    pub json_schema: Option<serde_json::Value>,
+    pub response_format: Option<serde_json::Value>,
     /// Negative: a random seed (llama.cpp's -1).
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
