@@ -581,7 +581,7 @@ impl Engine {
         let trees = self.slots.len() == 1;
         for p in plans.iter_mut() {
             self.select(p, &mut *runs[p.run], trees);
-            constrain(p, &runs[p.run]);
+            constrain(p, runs[p.run]);
         }
         self.fill_verify_batch(&mut plans)?;
         let t2 = Instant::now();
