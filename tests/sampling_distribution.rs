@@ -61,12 +61,14 @@ fn sample_runs_counting_side_branches(
     verifier: Verifier,
 ) -> (Vec<Vec<Token>>, usize) {
     let select = if speculative { select } else { SelectMode::None };
-    let (samples, stats) = sample(f, runs, speculative, select, false, temp, verifier);
+    let (samples, stats) = sample(f, runs, speculative, select, false, temp, verifier, None);
     (samples, stats.redecoded)
 }
 
 /// Tokens at positions 1..=N_TOKENS over `runs` seeds (block 4, trees of 6 nodes), with the
-/// drafter or without, with the context look-up or without; and the summed statistics.
+/// drafter or without, with the context look-up or without, under a grammar or not; and the
+/// summed statistics.
+#[allow(clippy::too_many_arguments)]
 fn sample(
     f: &Fixture,
     runs: u64,
@@ -75,6 +77,7 @@ fn sample(
     lookup: bool,
     temp: f32,
     verifier: Verifier,
+    grammar: Option<&str>,
 ) -> (Vec<Vec<Token>>, dflash2::engine::Stats) {
     let mut cfg = EngineConfig::new(PathBuf::new(), None);
     cfg.n_ctx = 256;
@@ -92,9 +95,12 @@ fn sample(
                 lookup,
                 sampling: SamplingParams { temperature: temp, top_k: 0, top_p: 0.9, min_p: 0.0, seed, ..Default::default() },
                 verifier,
+                grammar: grammar.map(str::to_string),
                 ..Default::default()
             };
             let generation = e.generate(&f.prompt, &opts, |_| true).unwrap();
+            total.n_drafted += generation.stats.n_drafted;
+            total.n_draft_accepted += generation.stats.n_draft_accepted;
             total.redecoded += generation.stats.redecoded;
             total.from_lookup.drafted += generation.stats.from_lookup.drafted;
             total.from_lookup.accepted += generation.stats.from_lookup.accepted;
@@ -169,6 +175,27 @@ fn speculative_sampling_matches_plain_sampling() {
     }
 }
 
+/// Under a grammar the target law is the masked one: the random drafter proposes tokens the
+/// grammar forbids, which sampled drafts keep and rejection sampling must reject, and the
+/// output still follows plain sampling's law under the same grammar.
+#[test]
+fn speculative_sampling_under_a_grammar_matches_plain_sampling() {
+    let f = fixture();
+    let grammar = Some("root ::= [a-m ]+");
+    let (plain, _) = sample(&f, RUNS, false, SelectMode::None, false, 1.0, Verifier::Rejection, grammar);
+    let distinct: std::collections::HashSet<_> = plain.iter().map(|r| r[1]).collect();
+    assert!(distinct.len() >= 5, "the grammar leaves the target nearly deterministic, the test would be weak");
+    let text = f.target.detokenize(&plain[0].iter().copied().filter(|&t| t >= 0).collect::<Vec<_>>(), false);
+    assert!(text.chars().all(|c| ('a'..='m').contains(&c) || c == ' '), "{text:?} breaks the grammar");
+    for select in [SelectMode::Greedy, SelectMode::Tree] {
+        let (spec, stats) = sample(&f, RUNS, true, select, false, 1.0, Verifier::Rejection, grammar);
+        if let Err(e) = same_distribution(&plain, &spec) {
+            panic!("{select:?}: speculative sampling under a grammar differs from plain sampling: {e}");
+        }
+        assert!(stats.n_drafted > 0 && stats.n_draft_accepted > 0, "{select:?}: drafts went untested");
+    }
+}
+
 #[test]
 fn a_verifier_that_accepts_every_draft_fails_the_test() {
     let f = fixture();
@@ -215,11 +242,11 @@ fn smollm2_chains_and_trees_sample_the_target_law() {
 fn smollm2_lookup_samples_the_target_law() {
     let f = smollm2_fixture("Here is a list: apple, banana, cherry, grape, lemon, mango, peach. Write the list again.");
     let runs = 1200;
-    let (plain, _) = sample(&f, runs, false, SelectMode::None, false, 1.0, Verifier::Rejection);
+    let (plain, _) = sample(&f, runs, false, SelectMode::None, false, 1.0, Verifier::Rejection, None);
     let distinct: std::collections::HashSet<_> = plain.iter().map(|r| r[0]).collect();
     assert!(distinct.len() >= 3, "the target is nearly deterministic, the test would be weak");
     for (with_drafter, select) in [(false, SelectMode::Greedy), (true, SelectMode::Tree)] {
-        let (spec, stats) = sample(&f, runs, with_drafter, select, true, 1.0, Verifier::Rejection);
+        let (spec, stats) = sample(&f, runs, with_drafter, select, true, 1.0, Verifier::Rejection, None);
         if let Err(e) = same_distribution(&plain, &spec) {
             panic!("look-up, drafter {with_drafter}, {select:?}: speculative sampling differs from plain sampling: {e}");
         }
