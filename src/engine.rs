@@ -993,8 +993,7 @@ impl Engine {
         let sampler = &run.sampler;
         let accepted = accept_greedy(&p.tree, |row| -> Result<Token> {
             fill_row_history(history, cached, p.last, &p.tree, row, sampler.params());
-            let logits = masked(target.logits(p.row0 + row)?, row_grammar(p, run, row)?);
-            Ok(sampler.distribution(&logits, history).argmax())
+            Ok(constrained_argmax(sampler, target.logits(p.row0 + row)?, history, row_grammar(p, run, row)?))
         })?;
         Ok((accepted.nodes, accepted.bonus))
     }
@@ -1064,7 +1063,7 @@ impl Engine {
             fill_row_history(&mut history, &self.slots[p.slot].cached, p.last, &p.tree, node + 1, sampler.params());
             let state = node_grammar(p, grammar, node);
             let predicted = match (self.target.logits(row), state) {
-                (Ok(l), Ok(state)) => sampler.distribution(&masked(l, state), &history).argmax(),
+                (Ok(l), Ok(state)) => constrained_argmax(sampler, l, &history, state),
                 (Err(e), _) => {
                     confirmed = Err(e.into());
                     break;
@@ -1111,7 +1110,11 @@ impl Engine {
             last_logits_row = chunk.len() - 1;
         }
         let logits = self.target.logits(last_logits_row)?;
-        let first = run.sampler.pick(&masked(logits, run.grammar.as_ref()), prompt);
+        let first = if run.sampler.is_greedy() {
+            constrained_argmax(&run.sampler, logits, prompt, run.grammar.as_ref())
+        } else {
+            run.sampler.pick(&masked(logits, run.grammar.as_ref()), prompt)
+        };
         Ok((first, run.opts.n_probs.map(|n| token_probs(logits, first, n))))
     }
 
@@ -1255,6 +1258,17 @@ fn masked<'a>(logits: &'a [f32], grammar: Option<&Grammar>) -> std::borrow::Cow<
     match grammar {
         None => std::borrow::Cow::Borrowed(logits),
         Some(g) => std::borrow::Cow::Owned(g.mask(logits)),
+    }
+}
+
+/// The greedy token under `grammar`. Masking only removes tokens, so when the unmasked choice is
+/// allowed it is the masked one too (llama.cpp samples first and masks only on a miss, for the
+/// same reason): the whole vocabulary is masked only then.
+fn constrained_argmax(sampler: &Sampler, logits: &[f32], history: &[Token], grammar: Option<&Grammar>) -> Token {
+    let free = sampler.distribution(logits, history).argmax();
+    match grammar {
+        Some(g) if !g.allows(free) => sampler.distribution(&g.mask(logits), history).argmax(),
+        _ => free,
     }
 }
 
