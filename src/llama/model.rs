@@ -268,8 +268,7 @@ impl Model {
         let text = |t: Token| String::from_utf8_lossy(&self.token_bytes(t, true)).into_owned();
         let v = self.vocab.as_ptr();
         let (bos, eos) = unsafe { (sys::llama_vocab_bos(v), sys::llama_vocab_eos(v)) };
-        let add_bos = unsafe { sys::llama_vocab_get_add_bos(v) };
-        (if bos >= 0 { text(bos) } else { String::new() }, if eos >= 0 { text(eos) } else { String::new() }, add_bos)
+        (if bos >= 0 { text(bos) } else { String::new() }, if eos >= 0 { text(eos) } else { String::new() }, self.adds_bos().is_some())
     }
 }
 

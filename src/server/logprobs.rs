@@ -3,7 +3,7 @@
 //! The values are the engine's (`sampling::token_probs`): the target's log-softmax at the row
 //! that chose each token, equal to plain decoding's.
 
-use super::types::{ChatLogprob, ChatLogprobs, LlamaProb, LlamaTopProb, TextLogprobs, TopLogprob};
+use super::types::{ChatLogprob, ChatLogprobs, TextLogprobs, TopLogprob};
 use crate::llama::{Model, Token};
 use crate::sampling::TokenProb;
 
@@ -13,22 +13,7 @@ fn piece(model: &Model, id: Token) -> (String, Vec<u8>) {
 }
 
 pub fn chat(model: &Model, probs: &[TokenProb]) -> ChatLogprobs {
-    let content = probs
-        .iter()
-        .map(|p| {
-            let (token, bytes) = piece(model, p.id);
-            let top_logprobs = p
-                .top
-                .iter()
-                .map(|&(id, logprob)| {
-                    let (token, bytes) = piece(model, id);
-                    TopLogprob { token, logprob, bytes }
-                })
-                .collect();
-            ChatLogprob { token, logprob: p.logprob, bytes, top_logprobs }
-        })
-        .collect();
-    ChatLogprobs { content, refusal: None }
+    ChatLogprobs { content: entries(model, probs, false), refusal: None }
 }
 
 /// `offset`: characters of text before these tokens (a stream's earlier pieces).
@@ -45,7 +30,13 @@ pub fn text(model: &Model, probs: &[TokenProb], mut offset: usize) -> TextLogpro
     out
 }
 
-pub fn llama(model: &Model, probs: &[TokenProb]) -> Vec<LlamaProb> {
+/// llama-server's `completion_probabilities`: the chat entries with token ids.
+pub fn llama(model: &Model, probs: &[TokenProb]) -> Vec<ChatLogprob> {
+    entries(model, probs, true)
+}
+
+fn entries(model: &Model, probs: &[TokenProb], with_ids: bool) -> Vec<ChatLogprob> {
+    let id = |t: Token| with_ids.then_some(t);
     probs
         .iter()
         .map(|p| {
@@ -53,12 +44,12 @@ pub fn llama(model: &Model, probs: &[TokenProb]) -> Vec<LlamaProb> {
             let top_logprobs = p
                 .top
                 .iter()
-                .map(|&(id, logprob)| {
-                    let (token, bytes) = piece(model, id);
-                    LlamaTopProb { id, token, logprob, bytes }
+                .map(|&(t, logprob)| {
+                    let (token, bytes) = piece(model, t);
+                    TopLogprob { id: id(t), token, logprob, bytes }
                 })
                 .collect();
-            LlamaProb { id: p.id, token, logprob: p.logprob, bytes, top_logprobs }
+            ChatLogprob { id: id(p.id), token, logprob: p.logprob, bytes, top_logprobs }
         })
         .collect()
 }

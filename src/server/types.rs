@@ -328,8 +328,12 @@ pub struct ChatLogprobs {
     pub refusal: Option<()>,
 }
 
+/// One token's log-probability and its alternatives: OpenAI's chat entry, or llama-server's
+/// `completion_probabilities` entry, which also carries the token ids.
 #[derive(Debug, Serialize)]
 pub struct ChatLogprob {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<Token>,
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
@@ -338,6 +342,8 @@ pub struct ChatLogprob {
 
 #[derive(Debug, Serialize)]
 pub struct TopLogprob {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<Token>,
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
@@ -352,24 +358,6 @@ pub struct TextLogprobs {
     pub text_offset: Vec<usize>,
 }
 
-/// llama-server's `completion_probabilities` entry (`n_probs`).
-#[derive(Debug, Serialize)]
-pub struct LlamaProb {
-    pub id: Token,
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-    pub top_logprobs: Vec<LlamaTopProb>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct LlamaTopProb {
-    pub id: Token,
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-}
-
 /// llama-server's `/completion` answer; a streamed piece carries only the first fields.
 #[derive(Debug, Serialize)]
 pub struct LlamaCompletion {
@@ -377,7 +365,7 @@ pub struct LlamaCompletion {
     pub tokens: Vec<Token>,
     pub stop: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub completion_probabilities: Option<Vec<LlamaProb>>,
+    pub completion_probabilities: Option<Vec<ChatLogprob>>,
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub end: Option<LlamaEnd>,
 }
