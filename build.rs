@@ -47,6 +47,9 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("shim_bindings.rs");
     bindings.write_to_file(&out).expect("cannot write shim bindings");
 
+    // The llama.h a C frontend must compile against to pass its pointers to dflash2_spec_*
+    // (the tests build ffi/examples/frontend.c with it).
+    println!("cargo:rustc-env=DFLASH2_LLAMA_INCLUDE={}", include.display());
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.cpp");
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.h");
     println!("cargo:rerun-if-changed=build.rs");

@@ -243,6 +243,179 @@ dflash2_status dflash2_session_stats(const dflash2_session *session, dflash2_sta
 /* Forget the conversation: the next prompt is decoded from scratch. */
 dflash2_status dflash2_session_reset(dflash2_session *session);
 
+
+/* ==== Adding DFlash 2 to an existing llama.cpp frontend: dflash2_spec_* ====================
+ *
+ * For a frontend that already runs llama.cpp (its own llama_model, llama_context, sampler
+ * chain, KV cache and slots): a speculator attached to its target context drafts blocks for
+ * it, and two helpers verify them with the frontend's own sampler chain. The shape is
+ * llama.cpp's common/speculative.h: begin / process after each target decode / draft /
+ * accept. See ffi/examples/frontend.c for the whole loop.
+ *
+ * LINKING: the pointers the frontend passes must come from the libllama dflash2 runs on. Link
+ * the frontend against libdflash2.a (it carries its llama.cpp; compile with that build's
+ * llama.h, found under target/release/build/llama-cpp-sys-2-*\/out/include), or build both
+ * against one shared libllama. dflash2_spec_abi_check says which it is, before any pointer
+ * crosses.
+ *
+ * FEATURES: the drafter reads the target's hidden states (the inputs of a few target layers)
+ * at every position before each draft. Three ways to provide them:
+ *   (a) capture: dflash2_spec_capture_new fills the frontend's llama_context_params with a
+ *       cb_eval callback BEFORE it creates the context; then pass the capture in
+ *       dflash2_spec_params.capture and call dflash2_spec_process after each target decode.
+ *       Any architecture. A frontend with its own cb_eval calls dflash2_spec_capture_eval from
+ *       it with the user data the capture installed.
+ *   (b) native: without a capture, dflash2_spec_init turns on llama.cpp's layer-input
+ *       extraction in the frontend's context, where the architecture has it (llama, qwen3,
+ *       qwen3moe, qwen3next, qwen35, qwen35moe, lfm2); call dflash2_spec_process after each
+ *       target decode. A decode must fit one micro-batch (n_ubatch), or earlier rows are lost.
+ *   (c) feed: the frontend computes the features itself and passes them with
+ *       dflash2_spec_feed (dflash2_spec_get_info gives the layers and the row width).
+ * A batch row of one begun sequence gives that sequence its features at the row's position;
+ * a draft at anchor position p uses the positions below p and forgets the rest (the rows of
+ * drafts the target rejected), so a chain needs no further bookkeeping. Rows of several
+ * sequences (a token tree) are taken with dflash2_spec_accept_rows.
+ *
+ * The caller keeps ctx_tgt (and the capture) alive until dflash2_spec_free; free the capture
+ * after the context. One thread at a time per speculator (else DFLASH2_ERR_BUSY). */
+
+struct llama_model;
+struct llama_context;
+struct llama_context_params;
+struct llama_batch;
+struct llama_sampler;
+struct ggml_tensor;
+
+typedef struct dflash2_spec dflash2_spec;
+typedef struct dflash2_spec_capture dflash2_spec_capture;
+
+/* What the frontend's compiler and linker saw of llama.h: fill with DFLASH2_SPEC_ABI_INIT
+ * where llama.h is included. */
+typedef struct dflash2_spec_abi {
+    size_t sizeof_context_params;
+    size_t sizeof_model_params;
+    size_t sizeof_batch;
+    size_t sizeof_token_data_array;
+    void (*backend_init)(void); /* the frontend's llama_backend_init */
+} dflash2_spec_abi;
+
+#define DFLASH2_SPEC_ABI_INIT                                                                  \
+    { sizeof(struct llama_context_params), sizeof(struct llama_model_params), sizeof(struct llama_batch), \
+      sizeof(llama_token_data_array), llama_backend_init }
+
+typedef struct dflash2_spec_params {
+    uint32_t block_size;   /* tokens per cycle with the anchor: 0 (default) = adaptive, drafts as long
+                              as the reported verify times say pays (nothing while drafting does not
+                              pay; without reports, the drafter's whole block); else 2..trained block */
+    int32_t select;        /* DFLASH2_SELECT_GREEDY (default), _BEST_PATH or _TREE (dflash2_spec_draft_tree) */
+    uint32_t tree_budget;  /* nodes of a token tree; default 32 */
+    float temperature;     /* 0 (default): draft the most likely path. > 0: draw drafts from the drafter's
+                              law at this temperature (set it to the sampler chain's; verify with
+                              dflash2_verify_sample, which is lossless either way) */
+    uint64_t seed;         /* draws of sampled drafts and of rejection sampling */
+    int32_t n_threads;     /* drafter threads; 0 (default) = the available cores, at most 16 */
+    dflash2_spec_capture *capture; /* (a) above, or NULL */
+} dflash2_spec_params;
+
+/* How dflash2_spec_process reads features. */
+enum {
+    DFLASH2_FEATURES_FEED = 0,    /* (c) only: dflash2_spec_process refuses */
+    DFLASH2_FEATURES_NATIVE = 1,  /* (b) */
+    DFLASH2_FEATURES_CALLBACK = 2 /* (a) */
+};
+
+typedef struct dflash2_spec_info {
+    uint32_t n_seq;
+    uint32_t trained_block;       /* the drafter's block, anchor included */
+    uint64_t feature_width;       /* floats per position for dflash2_spec_feed */
+    int32_t feature_source;       /* a DFLASH2_FEATURES_* value */
+    uint32_t n_feature_layers;
+    int32_t feature_layers[16];   /* target layers whose INPUTS are read, in row order */
+} dflash2_spec_info;
+
+typedef struct dflash2_spec_stats {
+    uint64_t cycles;     /* verifies (plain steps included, the prompt's first token not) */
+    uint64_t drafts;     /* drafter calls */
+    uint64_t n_drafted;
+    uint64_t n_accepted;
+    double tau;          /* tokens committed per verify */
+    double draft_ms;
+} dflash2_spec_stats;
+
+dflash2_spec_params dflash2_spec_default_params(void);
+
+/* DFLASH2_OK when the frontend's llama.h structs and its libllama are the ones dflash2 runs on;
+ * DFLASH2_ERR_MISMATCH (naming the struct, or the second libllama) otherwise. */
+dflash2_status dflash2_spec_abi_check(const dflash2_spec_abi *abi);
+
+/* (a): before llama_init_from_model, point cparams->cb_eval at a capture of the layers the
+ * drafter reads. *out is freed with dflash2_spec_capture_free, after the context. */
+dflash2_status dflash2_spec_capture_new(struct llama_model *target, const char *drafter_gguf,
+                                        struct llama_context_params *cparams, dflash2_spec_capture **out);
+void dflash2_spec_capture_free(dflash2_spec_capture *capture);
+bool dflash2_spec_capture_eval(struct ggml_tensor *t, bool ask, void *user_data);
+
+/* Load the drafter, check that it pairs with `target` (DFLASH2_ERR_MISMATCH names the field;
+ * ERR_MODEL: unreadable file), and create its context next to ctx_tgt (a context of `target`,
+ * else ERR_INVALID_ARG) for sequences 0..n_seq-1. */
+dflash2_status dflash2_spec_init(struct llama_model *target, struct llama_context *ctx_tgt, const char *drafter_gguf,
+                                 const dflash2_spec_params *params, uint32_t n_seq, dflash2_spec **out);
+void dflash2_spec_free(dflash2_spec *spec);
+dflash2_status dflash2_spec_get_info(const dflash2_spec *spec, dflash2_spec_info *out);
+
+/* Start (or restart) a sequence before its prompt is decoded: its drafter cache and counters
+ * are emptied. Drafting in a sequence that has not begun is DFLASH2_ERR_STATE. */
+dflash2_status dflash2_spec_begin(dflash2_spec *spec, int32_t seq);
+/* The frontend removed positions >= p0 of seq from its cache; p0 < 0 frees the sequence
+ * (it must begin again). */
+dflash2_status dflash2_spec_seq_rm(dflash2_spec *spec, int32_t seq, int32_t p0);
+
+/* After each llama_decode on the target context (prompt, plain steps and verifies). A batch
+ * without positions (llama_batch_get_one) is sequence 0 continuing its cache. */
+dflash2_status dflash2_spec_process(dflash2_spec *spec, const struct llama_batch *batch);
+/* (c): features of positions pos0..pos0+n-1 of seq, n rows of feature_width floats. */
+dflash2_status dflash2_spec_feed(dflash2_spec *spec, int32_t seq, int32_t pos0, int32_t n, const float *rows);
+
+/* Draft after `last`, the committed token at position `pos` of seq that the next verify decodes
+ * first. Writes up to `capacity` tokens to `tokens` and their count to *n_out (0: decode
+ * plainly this time, the adaptive block expects a plain step to pay better). */
+dflash2_status dflash2_spec_draft(dflash2_spec *spec, int32_t seq, dflash2_token last, int32_t pos,
+                                  dflash2_token *tokens, size_t capacity, size_t *n_out);
+/* A token tree (DFLASH2_SELECT_TREE): node k is tokens[k], its parent parents[k] (-1: the anchor);
+ * parents come first. Verify it with one sequence per leaf, each node at position pos + depth. */
+dflash2_status dflash2_spec_draft_tree(dflash2_spec *spec, int32_t seq, dflash2_token last, int32_t pos,
+                                       dflash2_token *tokens, int32_t *parents, size_t capacity, size_t *n_out);
+
+/* For frontends that verify with their own code: the target kept n_accepted drafted tokens of
+ * seq's last draft (0 for a plain step). More than were drafted is DFLASH2_ERR_INVALID_ARG.
+ * Not after dflash2_verify_*, which record the cycle themselves. */
+dflash2_status dflash2_spec_accept(dflash2_spec *spec, int32_t seq, int32_t n_accepted);
+/* A tree's accepted path: rows of the last processed batch whose features seq keeps. */
+dflash2_status dflash2_spec_accept_rows(dflash2_spec *spec, int32_t seq, const int32_t *rows, int32_t n);
+/* A target decode of n_tokens rows took ms: the adaptive block weighs drafts by these times. */
+dflash2_status dflash2_spec_report_verify(dflash2_spec *spec, int32_t n_tokens, double ms);
+dflash2_status dflash2_spec_get_stats(const dflash2_spec *spec, int32_t seq, dflash2_spec_stats *out);
+
+/* Verify seq's last draft (or a plain step when none is pending) with the frontend's sampler
+ * chain, over the output rows of its verify batch on ctx (the speculator's target context):
+ * rows[0] the anchor's row, rows[1 + k] draft node k's (n_rows = drafted + 1; every row must
+ * have asked for logits). Writes the accepted drafted tokens followed by the target's own next
+ * token (at most n_rows tokens) and their count; the chain accepts each of them. The frontend
+ * then keeps the anchor and the accepted drafts in its cache and removes the rest.
+ *   dflash2_verify_greedy: a chain ending in `greedy` (its filters, then the argmax): output
+ *     identical to the frontend's own loop without speculation.
+ *   dflash2_verify_sample: a chain ending in `dist`: rejection sampling against the drafter's
+ *     law (one-hot where the draft was the most likely path), so the tokens follow the
+ *     chain's law exactly; uses the speculator's seeded RNG, not the chain's.
+ * The wrong helper for the chain is DFLASH2_ERR_INVALID_ARG, as are chains with samplers that
+ * are no fixed law of the logits (mirostat, xtc). */
+dflash2_status dflash2_verify_greedy(dflash2_spec *spec, int32_t seq, struct llama_sampler *chain,
+                                     struct llama_context *ctx, const int32_t *rows, int32_t n_rows,
+                                     dflash2_token *out, size_t capacity, size_t *n_out);
+dflash2_status dflash2_verify_sample(dflash2_spec *spec, int32_t seq, struct llama_sampler *chain,
+                                     struct llama_context *ctx, const int32_t *rows, int32_t n_rows,
+                                     dflash2_token *out, size_t capacity, size_t *n_out);
+
 #ifdef __cplusplus
 }
 #endif

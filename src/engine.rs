@@ -7,7 +7,7 @@
 use crate::draft::cost::CostModel;
 use crate::draft::drafter::Drafter;
 use crate::draft::lookup::{self, NgramIndex};
-use crate::draft::select::{proposal, sample_draft, BestPath, Greedy, Selector, TreeBestFirst};
+use crate::draft::select::{self, proposal, Greedy, Selector, Walk};
 use crate::draft::{lattice, DraftTree, Origin};
 use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
 pub use crate::target::Repack;
@@ -34,6 +34,18 @@ pub enum SelectMode {
     /// baseline to beat, run through the same verification. Targets with llama.cpp's
     /// layer extraction only (llama, qwen3, ...).
     Upstream,
+}
+
+impl SelectMode {
+    /// The lattice walk of this mode (a tree only where the batch can hold one).
+    pub fn walk(self, trees: bool, tree_budget: usize) -> Walk {
+        match self {
+            SelectMode::None | SelectMode::Greedy | SelectMode::Upstream => Walk::Greedy,
+            SelectMode::BestPath => Walk::BestPath,
+            SelectMode::Tree if trees => Walk::Tree { budget: tree_budget },
+            SelectMode::Tree => Walk::BestPath,
+        }
+    }
 }
 
 /// Where the target's layer inputs come from.
@@ -746,13 +758,7 @@ impl Engine {
             (None, None) => return,
             (None, Some(lookup)) => lookup,
             (Some(lattice), lookup) if greedy => {
-                let n = lattice.n_pos;
-                let drafted = match run.opts.select {
-                    SelectMode::None | SelectMode::Greedy | SelectMode::Upstream => Greedy.select(lattice, n),
-                    SelectMode::BestPath => BestPath.select(lattice, n),
-                    SelectMode::Tree if trees => TreeBestFirst.select(lattice, run.opts.tree_budget),
-                    SelectMode::Tree => BestPath.select(lattice, n),
-                };
+                let drafted = select::draft(lattice, run.opts.select.walk(trees, run.opts.tree_budget), 0.0, run.sampler.rng());
                 match lookup {
                     None => drafted,
                     Some(lookup) if branch => drafted.merge(&lookup, run.opts.tree_budget),
@@ -767,9 +773,9 @@ impl Engine {
                 match lookup {
                     Some(lookup) if self.cost.expected_accepted(&lookup) >= drafter_expected => lookup,
                     _ => {
+                        let walk = run.opts.select.walk(trees, run.opts.tree_budget);
                         let temperature = run.sampler.params().temperature;
-                        let budget = if branch { run.opts.tree_budget } else { lattice.n_pos };
-                        sample_draft(lattice, budget, temperature, branch, run.sampler.rng())
+                        select::draft(lattice, walk, temperature, run.sampler.rng())
                     }
                 }
             }

@@ -7,6 +7,7 @@ pub mod text;
 pub mod verify;
 pub mod target;
 pub mod engine;
+pub mod speculator;
 pub mod dataset;
 pub mod cli;
 pub mod gguf;

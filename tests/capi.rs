@@ -111,6 +111,19 @@ fn header_layouts_and_constants_match_the_library() {
     put("offsetof(dflash2_stats, total_ms)", offset_of!(CStats, total_ms));
     put("offsetof(dflash2_stats, finish)", offset_of!(CStats, finish));
     put("sizeof(dflash2_status)", size_of::<Status>());
+    put("sizeof(dflash2_spec_params)", size_of::<CSpecParams>());
+    put("offsetof(dflash2_spec_params, temperature)", offset_of!(CSpecParams, temperature));
+    put("offsetof(dflash2_spec_params, seed)", offset_of!(CSpecParams, seed));
+    put("offsetof(dflash2_spec_params, n_threads)", offset_of!(CSpecParams, n_threads));
+    put("offsetof(dflash2_spec_params, capture)", offset_of!(CSpecParams, capture));
+    put("sizeof(dflash2_spec_abi)", size_of::<CSpecAbi>());
+    put("offsetof(dflash2_spec_abi, backend_init)", offset_of!(CSpecAbi, backend_init));
+    put("sizeof(dflash2_spec_info)", size_of::<CSpecInfo>());
+    put("offsetof(dflash2_spec_info, feature_width)", offset_of!(CSpecInfo, feature_width));
+    put("offsetof(dflash2_spec_info, feature_layers)", offset_of!(CSpecInfo, feature_layers));
+    put("sizeof(dflash2_spec_stats)", size_of::<CSpecStats>());
+    put("offsetof(dflash2_spec_stats, tau)", offset_of!(CSpecStats, tau));
+    put("offsetof(dflash2_spec_stats, draft_ms)", offset_of!(CSpecStats, draft_ms));
     for (c, v) in [
         ("DFLASH2_OK", Status::Ok),
         ("DFLASH2_ERR_NULL_ARG", Status::NullArg),
@@ -139,6 +152,9 @@ fn header_layouts_and_constants_match_the_library() {
         ("DFLASH2_FINISH_STOP", FINISH_STOP),
         ("DFLASH2_FINISH_CONTEXT", FINISH_CONTEXT),
         ("DFLASH2_FINISH_CANCELLED", FINISH_CANCELLED),
+        ("DFLASH2_FEATURES_FEED", FEATURES_FEED),
+        ("DFLASH2_FEATURES_NATIVE", FEATURES_NATIVE),
+        ("DFLASH2_FEATURES_CALLBACK", FEATURES_CALLBACK),
     ] {
         put(c, v as usize);
     }

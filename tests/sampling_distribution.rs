@@ -7,7 +7,6 @@ mod common;
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
 use dflash2::llama::{Model, ModelParams, Token};
 use dflash2::sampling::SamplingParams;
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -112,53 +111,6 @@ fn sample(
     (samples, total)
 }
 
-/// Two-sample chi-square statistic and degrees of freedom for the token at position
-/// `k`, merging categories whose pooled count is under 10.
-fn chi_square(a: &[Vec<Token>], b: &[Vec<Token>], k: usize) -> (f64, usize) {
-    let mut counts: HashMap<Token, (f64, f64)> = HashMap::new();
-    for r in a {
-        counts.entry(r[k]).or_default().0 += 1.0;
-    }
-    for r in b {
-        counts.entry(r[k]).or_default().1 += 1.0;
-    }
-    let mut bins: Vec<(f64, f64)> = Vec::new();
-    let mut other = (0.0, 0.0);
-    for (_, (x, y)) in counts {
-        if x + y < 10.0 {
-            other.0 += x;
-            other.1 += y;
-        } else {
-            bins.push((x, y));
-        }
-    }
-    if other.0 + other.1 > 0.0 {
-        bins.push(other);
-    }
-    let (na, nb) = (a.len() as f64, b.len() as f64);
-    let mut chi2 = 0.0;
-    for (x, y) in &bins {
-        let pooled = (x + y) / (na + nb);
-        let (ea, eb) = (pooled * na, pooled * nb);
-        chi2 += (x - ea).powi(2) / ea + (y - eb).powi(2) / eb;
-    }
-    (chi2, bins.len().saturating_sub(1))
-}
-
-/// Accept when the statistic is below dof + 6 standard deviations of a chi-square with
-/// that many degrees of freedom (a false alarm is far less likely than 1e-6; the seeds
-/// are fixed, so the outcome is reproducible).
-fn same_distribution(a: &[Vec<Token>], b: &[Vec<Token>]) -> Result<(), String> {
-    for k in 0..N_TOKENS {
-        let (chi2, dof) = chi_square(a, b, k);
-        let limit = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
-        if chi2 > limit {
-            return Err(format!("position {k}: chi2 {chi2:.1} > {limit:.1} (dof {dof})"));
-        }
-    }
-    Ok(())
-}
-
 #[test]
 fn speculative_sampling_matches_plain_sampling() {
     let f = fixture();
@@ -168,7 +120,7 @@ fn speculative_sampling_matches_plain_sampling() {
         assert!(distinct.len() >= 5, "T={temp}: the target is nearly deterministic, the test would be weak");
         for select in [SelectMode::Greedy, SelectMode::BestPath, SelectMode::Tree] {
             let spec = sample_runs(&f, RUNS, true, select, temp, Verifier::Rejection);
-            if let Err(e) = same_distribution(&plain, &spec) {
+            if let Err(e) = common::same_distribution(N_TOKENS, &plain, &spec) {
                 panic!("T={temp}, {select:?}: speculative sampling differs from plain sampling: {e}");
             }
         }
@@ -189,7 +141,7 @@ fn speculative_sampling_under_a_grammar_matches_plain_sampling() {
     assert!(text.chars().all(|c| ('a'..='m').contains(&c) || c == ' '), "{text:?} breaks the grammar");
     for select in [SelectMode::Greedy, SelectMode::Tree] {
         let (spec, stats) = sample(&f, RUNS, true, select, false, 1.0, Verifier::Rejection, grammar);
-        if let Err(e) = same_distribution(&plain, &spec) {
+        if let Err(e) = common::same_distribution(N_TOKENS, &plain, &spec) {
             panic!("{select:?}: speculative sampling under a grammar differs from plain sampling: {e}");
         }
         assert!(stats.n_drafted > 0 && stats.n_draft_accepted > 0, "{select:?}: drafts went untested");
@@ -201,7 +153,7 @@ fn a_verifier_that_accepts_every_draft_fails_the_test() {
     let f = fixture();
     let plain = sample_runs(&f, RUNS, false, SelectMode::None, 1.0, Verifier::Rejection);
     let broken = sample_runs(&f, RUNS, true, SelectMode::Greedy, 1.0, Verifier::AcceptAll);
-    assert!(same_distribution(&plain, &broken).is_err(), "the test cannot tell a broken verifier apart");
+    assert!(common::same_distribution(N_TOKENS, &plain, &broken).is_err(), "the test cannot tell a broken verifier apart");
 }
 
 #[test]
@@ -225,7 +177,7 @@ fn smollm2_chains_and_trees_sample_the_target_law() {
     for select in [SelectMode::Greedy, SelectMode::Tree] {
         let (spec, side_branch_tokens) =
             sample_runs_counting_side_branches(&f, runs, true, select, 1.0, Verifier::Rejection);
-        if let Err(e) = same_distribution(&plain, &spec) {
+        if let Err(e) = common::same_distribution(N_TOKENS, &plain, &spec) {
             panic!("{select:?}: speculative sampling differs from plain sampling: {e}");
         }
         if select == SelectMode::Tree {
@@ -247,7 +199,7 @@ fn smollm2_lookup_samples_the_target_law() {
     assert!(distinct.len() >= 3, "the target is nearly deterministic, the test would be weak");
     for (with_drafter, select) in [(false, SelectMode::Greedy), (true, SelectMode::Tree)] {
         let (spec, stats) = sample(&f, runs, with_drafter, select, true, 1.0, Verifier::Rejection, None);
-        if let Err(e) = same_distribution(&plain, &spec) {
+        if let Err(e) = common::same_distribution(N_TOKENS, &plain, &spec) {
             panic!("look-up, drafter {with_drafter}, {select:?}: speculative sampling differs from plain sampling: {e}");
         }
         assert!(

@@ -19,6 +19,34 @@ pub trait Selector {
     fn select(&self, lattice: &Lattice, max_nodes: usize) -> DraftTree;
 }
 
+/// How a draft is walked out of a lattice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Walk {
+    /// llama.cpp's walk ([`Greedy`]).
+    Greedy,
+    /// The path with the most expected accepted tokens ([`BestPath`]).
+    BestPath,
+    /// A best-first token tree of at most `budget` nodes ([`TreeBestFirst`]).
+    Tree { budget: usize },
+}
+
+/// The draft of one lattice. At temperature <= 0 the walk's most likely path or tree; above,
+/// drawn from the drafter's law at that temperature (a chain unless the walk is a tree), so
+/// rejection sampling can verify it against the target's law.
+pub fn draft(lattice: &Lattice, walk: Walk, temperature: f32, rng: &mut impl Rng) -> DraftTree {
+    if temperature > 0.0 {
+        return match walk {
+            Walk::Tree { budget } => sample_draft(lattice, budget, temperature, true, rng),
+            Walk::Greedy | Walk::BestPath => sample_draft(lattice, lattice.n_pos, temperature, false, rng),
+        };
+    }
+    match walk {
+        Walk::Greedy => Greedy.select(lattice, lattice.n_pos),
+        Walk::BestPath => BestPath.select(lattice, lattice.n_pos),
+        Walk::Tree { budget } => TreeBestFirst.select(lattice, budget),
+    }
+}
+
 /// llama.cpp's upstream walk: predecessor 0 at position 0, then at each position the
 /// highest score after the previous pick (first on ties).
 #[derive(Debug, Clone, Copy, Default)]

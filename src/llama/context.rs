@@ -139,9 +139,11 @@ impl Default for ContextParams {
 /// callback writes into, and the context it borrows weights from).
 struct Handle {
     ptr: std::ptr::NonNull<sys::llama_context>,
-    capture: Option<CaptureBox>,
+    capture: Option<Arc<Capture>>,
     _other: Option<Arc<Handle>>,
     _model: Arc<Model>,
+    /// False for a frontend's context ([`Context::borrow_raw`]): it frees its own.
+    owned: bool,
 }
 
 // The handle only carries pointers; every use of the context goes through a `Context`
@@ -153,15 +155,69 @@ unsafe impl Sync for Handle {}
 impl Drop for Handle {
     fn drop(&mut self) {
         // Fields drop after this: the capture and the other context outlive llama_free.
-        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+        if self.owned {
+            unsafe { sys::llama_free(self.ptr.as_ptr()) }
+        }
     }
 }
 
-struct CaptureBox(std::ptr::NonNull<shim::dflash2_capture>);
+/// The capture callback itself (what [`Capture::install`] sets), for a frontend that calls it
+/// from its own `cb_eval` with the user data the install put there.
+///
+/// # Safety
+/// `user_data` must be a live capture's state, `t` a tensor of the graph being computed.
+pub unsafe extern "C" fn capture_eval(t: *mut sys::ggml_tensor, ask: bool, user_data: *mut std::ffi::c_void) -> bool {
+    shim::dflash2_capture_eval(t, ask, user_data)
+}
 
-impl Drop for CaptureBox {
+/// Layer inputs copied out of a target's graph by its `cb_eval` callback (any architecture).
+pub struct Capture(std::ptr::NonNull<shim::dflash2_capture>);
+
+// The capture is written by the decoding thread inside llama_decode and read after it; the
+// context that decodes is used by one thread at a time.
+unsafe impl Send for Capture {}
+unsafe impl Sync for Capture {}
+
+impl Drop for Capture {
     fn drop(&mut self) {
         unsafe { shim::dflash2_capture_free(self.0.as_ptr()) }
+    }
+}
+
+impl Capture {
+    /// Capture the inputs of target layers `layers` (`n_embd` floats per row).
+    pub fn new(layers: &[i32], n_embd: usize) -> Result<Self> {
+        let raw = unsafe { shim::dflash2_capture_new(layers.as_ptr(), layers.len() as u32, n_embd as i64) };
+        std::ptr::NonNull::new(raw).map(Capture).ok_or_else(|| LlamaError::Capture("cannot allocate capture state".into()))
+    }
+
+    /// Point a context's `cb_eval` at this capture (before the context is created; the
+    /// capture must outlive the context).
+    pub fn install(&self, cp: &mut sys::llama_context_params) {
+        cp.cb_eval = Some(shim::dflash2_capture_eval);
+        cp.cb_eval_user_data = self.0.as_ptr().cast();
+    }
+
+    fn clear(&self) {
+        unsafe { shim::dflash2_capture_clear(self.0.as_ptr()) };
+    }
+
+    fn error(&self) -> Option<String> {
+        let err = unsafe { shim::dflash2_capture_error(self.0.as_ptr()) };
+        (!err.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned())
+    }
+
+    /// The last `rows` rows captured for the `i`-th layer (a frontend that did not report
+    /// a decode leaves older rows in front of them).
+    fn last_rows(&self, i: usize, rows: usize, n_embd: usize) -> Option<&[f32]> {
+        let mut n: i64 = 0;
+        let p = unsafe { shim::dflash2_capture_rows(self.0.as_ptr(), i as u32, &mut n) };
+        let n = n as usize;
+        if p.is_null() || n < rows {
+            return None;
+        }
+        let all = unsafe { std::slice::from_raw_parts(p, n * n_embd) };
+        Some(&all[(n - rows) * n_embd..])
     }
 }
 
@@ -173,6 +229,8 @@ pub struct Context {
     features: FeatureSource,
     n_ctx: usize,
     n_batch: usize,
+    /// Rows llama.cpp computes in one graph: native layer inputs hold the last micro-batch only.
+    n_ubatch: usize,
     /// Rows of the last decoded batch (the rows that features and logits refer to).
     last_batch_len: usize,
 }
@@ -228,15 +286,9 @@ impl Context {
         }
         let capture = match &params.features {
             FeatureSource::Callback(layers) => {
-                let raw = unsafe {
-                    shim::dflash2_capture_new(layers.as_ptr(), layers.len() as u32, model.n_embd() as i64)
-                };
-                let cap = std::ptr::NonNull::new(raw)
-                    .map(CaptureBox)
-                    .ok_or_else(|| LlamaError::Capture("cannot allocate capture state".into()))?;
-                cp.cb_eval = Some(shim::dflash2_capture_eval);
-                cp.cb_eval_user_data = cap.0.as_ptr().cast();
-                Some(cap)
+                let cap = Capture::new(layers, model.n_embd())?;
+                cap.install(&mut cp);
+                Some(Arc::new(cap))
             }
             _ => None,
         };
@@ -250,7 +302,7 @@ impl Context {
         }
         let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) } as usize;
         let n_batch = unsafe { sys::llama_n_batch(ptr.as_ptr()) } as usize;
-        let h = Arc::new(Handle { ptr, capture, _other: other.map(|o| o.h.clone()), _model: model.clone() });
+        let h = Arc::new(Handle { ptr, capture, _other: other.map(|o| o.h.clone()), _model: model.clone(), owned: true });
         Ok(Self {
             h,
             kv_unified: params.kv_unified,
@@ -259,12 +311,80 @@ impl Context {
             features: params.features.clone(),
             n_ctx,
             n_batch,
+            n_ubatch: n_batch,
             last_batch_len: 0,
         })
     }
 
+    /// A frontend's own context over `model`, used here and never freed. Features come
+    /// from llama.cpp's layer-input extraction (turned on here) or from `capture`, which the
+    /// frontend installed as the context's `cb_eval`; the frontend decodes and reports each
+    /// batch with [`Context::observe`].
+    ///
+    /// # Safety
+    /// `ptr` must be a live context of `model` from the libllama this crate links, and
+    /// outlive the returned value and every context made next to it.
+    pub unsafe fn borrow_raw(
+        model: Arc<Model>,
+        ptr: *mut sys::llama_context,
+        features: FeatureSource,
+        capture: Option<Arc<Capture>>,
+    ) -> Result<Self> {
+        let ptr = std::ptr::NonNull::new(ptr).ok_or_else(|| LlamaError::Invalid("the target context is NULL".into()))?;
+        if !model.is(sys::llama_get_model(ptr.as_ptr())) {
+            return Err(LlamaError::Invalid("the target context was not made from the target model".into()));
+        }
+        match (&features, &capture) {
+            (FeatureSource::Native(layers), _) => {
+                for &l in layers {
+                    shim::dflash2_set_embeddings_layer_inp(ptr.as_ptr(), l as u32, true);
+                }
+            }
+            (FeatureSource::Callback(_), None) => {
+                return Err(LlamaError::Capture("callback features need the capture installed in the context".into()))
+            }
+            _ => {}
+        }
+        let n_ctx = sys::llama_n_ctx(ptr.as_ptr()) as usize;
+        let n_batch = sys::llama_n_batch(ptr.as_ptr()) as usize;
+        let n_ubatch = sys::llama_n_ubatch(ptr.as_ptr()) as usize;
+        let n_seq_max = (sys::llama_n_seq_max(ptr.as_ptr()) as usize).max(1);
+        let kv_unified = sys::llama_n_ctx_seq(ptr.as_ptr()) as usize >= n_ctx;
+        let h = Arc::new(Handle { ptr, capture, _other: None, _model: model.clone(), owned: false });
+        Ok(Self { h, kv_unified, n_seq_max, model, features, n_ctx, n_batch, n_ubatch, last_batch_len: 0 })
+    }
+
+    /// A frontend decoded a batch of `rows` rows on this context: its features are the ones
+    /// to read now. Call [`Context::forget_captured`] once they are read.
+    pub fn observe(&mut self, rows: usize) -> Result<()> {
+        if matches!(self.features, FeatureSource::Native(_)) && rows > self.n_ubatch {
+            return Err(LlamaError::Capture(format!(
+                "a batch of {rows} rows on a context with n_ubatch {}: llama.cpp keeps the layer inputs of the last \
+                 micro-batch only (decode at most n_ubatch rows at a time, or make n_ubatch = n_batch)",
+                self.n_ubatch
+            )));
+        }
+        self.last_batch_len = rows;
+        match self.h.capture.as_ref().and_then(|c| c.error()) {
+            Some(msg) => Err(LlamaError::Capture(msg)),
+            None => Ok(()),
+        }
+    }
+
+    /// Drop the captured rows of the decodes read so far.
+    pub fn forget_captured(&self) {
+        if let Some(cap) = &self.h.capture {
+            cap.clear();
+        }
+    }
+
     fn ptr(&self) -> *mut sys::llama_context {
         self.h.ptr.as_ptr()
+    }
+
+    /// Whether this is the llama.cpp context behind `ptr`.
+    pub fn is(&self, ptr: *const sys::llama_context) -> bool {
+        std::ptr::eq(self.ptr(), ptr)
     }
 
     pub(super) fn raw(&self) -> *mut sys::llama_context {
@@ -281,6 +401,7 @@ impl Context {
             features: self.features.clone(),
             n_ctx: self.n_ctx,
             n_batch: self.n_batch,
+            n_ubatch: self.n_ubatch,
             last_batch_len: 0,
         }
     }
@@ -324,9 +445,7 @@ impl Context {
         if batch.is_empty() {
             return Ok(());
         }
-        if let Some(cap) = &self.h.capture {
-            unsafe { shim::dflash2_capture_clear(cap.0.as_ptr()) };
-        }
+        self.forget_captured();
         let code = unsafe { sys::llama_decode(self.ptr(), batch.raw()) };
         if code != 0 {
             return Err(LlamaError::Decode { code, what });
@@ -334,15 +453,7 @@ impl Context {
         // A GPU backend returns before the work is done: wait, so that the clock a caller
         // stops after this call times the decode itself (a no-op on the CPU).
         unsafe { sys::llama_synchronize(self.ptr()) };
-        self.last_batch_len = batch.len();
-        if let Some(cap) = &self.h.capture {
-            let err = unsafe { shim::dflash2_capture_error(cap.0.as_ptr()) };
-            if !err.is_null() {
-                let msg = unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned();
-                return Err(LlamaError::Capture(msg));
-            }
-        }
-        Ok(())
+        self.observe(batch.len())
     }
 
     /// Logits of row `i` of the last decoded batch (the row must have asked for output).
@@ -402,15 +513,13 @@ impl Context {
                 let cap = self.h.capture.as_ref().expect("callback source always has a capture");
                 (0..layers.len())
                     .map(|i| {
-                        let mut n: i64 = 0;
-                        let p = unsafe { shim::dflash2_capture_rows(cap.0.as_ptr(), i as u32, &mut n) };
-                        if p.is_null() || (n as usize) < rows {
-                            return Err(LlamaError::Capture(format!(
-                                "layer {} input: captured {n} rows, the batch had {rows}",
+                        cap.last_rows(i, rows, n_embd).ok_or_else(|| {
+                            LlamaError::Capture(format!(
+                                "layer {} input: fewer rows captured than the batch's {rows} (was the capture installed \
+                                 in this context's cb_eval?)",
                                 layers[i]
-                            )));
-                        }
-                        Ok(unsafe { std::slice::from_raw_parts(p, rows * n_embd) })
+                            ))
+                        })
                     })
                     .collect()
             }
@@ -450,9 +559,14 @@ impl Context {
 const NATIVE_FEATURE_ARCHS: &[&str] = &["llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe", "lfm2"];
 
 impl FeatureSource {
+    /// Whether llama.cpp's graph for `arch` exposes layer inputs.
+    pub fn has_native(arch: &str) -> bool {
+        NATIVE_FEATURE_ARCHS.contains(&arch)
+    }
+
     /// The best source for a target architecture: native where llama.cpp has it.
     pub fn auto(arch: &str, layers: Vec<i32>) -> Self {
-        if NATIVE_FEATURE_ARCHS.contains(&arch) {
+        if Self::has_native(arch) {
             FeatureSource::Native(layers)
         } else {
             FeatureSource::Callback(layers)

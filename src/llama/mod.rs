@@ -11,13 +11,15 @@ mod batch;
 mod context;
 mod grammar;
 mod model;
+mod sampler;
 mod shim;
 mod upstream;
 
 pub use batch::Batch;
-pub use context::{CacheType, Context, ContextParams, FeatureSource};
+pub use context::{capture_eval, CacheType, Capture, Context, ContextParams, FeatureSource};
 pub use grammar::Grammar;
 pub use model::{apply_llama_template, builtin_chat_templates, quantize, ChatMessage, FimTokens, Model, ModelParams, QUANT_TYPES};
+pub use sampler::{ForeignChain, Terminal};
 pub use upstream::UpstreamDrafter;
 
 use std::sync::Once;

@@ -45,6 +45,8 @@ pub struct Model {
     path: String,
     repacked: bool,
     n_gpu_layers: i32,
+    /// False for a frontend's model ([`Model::borrow_raw`]): it frees its own.
+    owned: bool,
 }
 
 // llama.cpp models are immutable after loading and safe to share between threads.
@@ -53,7 +55,9 @@ unsafe impl Sync for Model {}
 
 impl Drop for Model {
     fn drop(&mut self) {
-        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+        if self.owned {
+            unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+        }
     }
 }
 
@@ -71,7 +75,27 @@ impl Model {
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
-        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers })
+        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers, owned: true })
+    }
+
+    /// A model a frontend loaded and keeps: used, never freed, here.
+    ///
+    /// # Safety
+    /// `ptr` must be a live `llama_model` of the libllama this crate links, and outlive the
+    /// returned value and everything made from it.
+    pub unsafe fn borrow_raw(ptr: *mut sys::llama_model, name: &str) -> Result<Self> {
+        super::init_backend();
+        let ptr = NonNull::new(ptr).ok_or_else(|| LlamaError::Invalid("the target model is NULL".into()))?;
+        let vocab = sys::llama_model_get_vocab(ptr.as_ptr());
+        let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
+            .ok_or_else(|| LlamaError::Invalid(format!("{name} has no vocabulary")))?;
+        // Offload is the frontend's; only the drafter's own context reads this (0 = CPU).
+        Ok(Self { ptr, vocab, path: name.to_string(), repacked: false, n_gpu_layers: -1, owned: false })
+    }
+
+    /// Whether this is the llama.cpp model behind `ptr`.
+    pub fn is(&self, ptr: *const sys::llama_model) -> bool {
+        std::ptr::eq(self.ptr.as_ptr(), ptr)
     }
 
     pub(super) fn as_ptr(&self) -> *mut sys::llama_model {
@@ -118,6 +142,22 @@ impl Model {
 
     pub fn n_vocab(&self) -> usize {
         unsafe { sys::llama_vocab_n_tokens(self.vocab_ptr()) as usize }
+    }
+
+    /// The first token whose vocabulary entry (its text as stored, before detokenizing)
+    /// differs from `other`'s, if any (same-size vocabularies).
+    pub fn first_vocab_difference(&self, other: &Model) -> Option<(Token, String, String)> {
+        let text = |m: &Model, t: Token| {
+            let p = unsafe { sys::llama_vocab_get_text(m.vocab_ptr(), t) };
+            if p.is_null() {
+                return Vec::new();
+            }
+            unsafe { CStr::from_ptr(p) }.to_bytes().to_vec()
+        };
+        (0..self.n_vocab().min(other.n_vocab()) as Token).find_map(|t| {
+            let (a, b) = (text(self, t), text(other, t));
+            (a != b).then(|| (t, String::from_utf8_lossy(&a).into_owned(), String::from_utf8_lossy(&b).into_owned()))
+        })
     }
 
     /// A metadata value as text (`None` when the key is absent).

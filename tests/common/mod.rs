@@ -58,3 +58,51 @@ pub fn chat_prompt(target: &dflash2::llama::Model, text: &str) -> Vec<dflash2::l
     let template = dflash2::template::ChatTemplate::new(target, &dflash2::template::TemplateChoice::Model).unwrap();
     template.tokens(target, &msgs).unwrap()
 }
+
+/// Two-sample chi-square statistic and degrees of freedom for the token at position
+/// `k`, merging categories whose pooled count is under 10.
+pub fn chi_square(a: &[Vec<i32>], b: &[Vec<i32>], k: usize) -> (f64, usize) {
+    let mut counts: std::collections::HashMap<i32, (f64, f64)> = std::collections::HashMap::new();
+    for r in a {
+        counts.entry(r[k]).or_default().0 += 1.0;
+    }
+    for r in b {
+        counts.entry(r[k]).or_default().1 += 1.0;
+    }
+    let mut bins: Vec<(f64, f64)> = Vec::new();
+    let mut other = (0.0, 0.0);
+    for (_, (x, y)) in counts {
+        if x + y < 10.0 {
+            other.0 += x;
+            other.1 += y;
+        } else {
+            bins.push((x, y));
+        }
+    }
+    if other.0 + other.1 > 0.0 {
+        bins.push(other);
+    }
+    let (na, nb) = (a.len() as f64, b.len() as f64);
+    let mut chi2 = 0.0;
+    for (x, y) in &bins {
+        let pooled = (x + y) / (na + nb);
+        let (ea, eb) = (pooled * na, pooled * nb);
+        chi2 += (x - ea).powi(2) / ea + (y - eb).powi(2) / eb;
+    }
+    (chi2, bins.len().saturating_sub(1))
+}
+
+/// Accept when the statistic is below dof + 6 standard deviations of a chi-square with
+/// that many degrees of freedom (a false alarm is far less likely than 1e-6; the seeds
+/// are fixed, so the outcome is reproducible).
+/// Position by position over the first `n_positions` tokens of each sample.
+pub fn same_distribution(n_positions: usize, a: &[Vec<i32>], b: &[Vec<i32>]) -> Result<(), String> {
+    for k in 0..n_positions {
+        let (chi2, dof) = chi_square(a, b, k);
+        let limit = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
+        if chi2 > limit {
+            return Err(format!("position {k}: chi2 {chi2:.1} > {limit:.1} (dof {dof})"));
+        }
+    }
+    Ok(())
+}

@@ -16,6 +16,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, TryLockError};
 
+mod spec;
+pub use spec::*;
+
 /// `dflash2_status`: what every call returns.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
