@@ -737,6 +737,9 @@ fn llama_server_flags_mean_what_they_mean_there() {
     assert_eq!(again["content"], v["content"]);
     let v = server.post_ok("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }] }));
     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 5, "{v}");
+    // -n also caps what a request asks for, as in llama-server.
+    let v = server.post_ok("/v1/completions", json!({ "prompt": "Once upon a time", "max_tokens": 50, "temperature": 0 }));
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 5, "{v}");
     drop(server);
     // A slot smaller than llama.cpp's smallest context is refused at start, not silently enlarged.
     let out = Command::new(env!("CARGO_BIN_EXE_dflash2"))
@@ -1042,4 +1045,50 @@ fn a_full_queue_answers_503_and_clients_that_leave_free_their_slot() {
     assert_eq!(server.metric("requests_finished_total"), 0.0);
     let ok = server.post_ok("/v1/completions", json!({ "prompt": "hi", "max_tokens": 2 }));
     assert_eq!(ok["usage"]["completion_tokens"], 2);
+}
+
+/// A public server's limits: a client that stalls in its headers is cut off, one that stalls
+/// in its body gets 408, connections beyond `--max-connections` wait until one is free (and
+/// are then served), and stop strings are bounded, each refusal naming the field.
+#[test]
+fn stalled_clients_are_cut_off_and_extra_connections_wait_their_turn() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let server = Server::start("limits", &["--read-timeout", "1", "--max-connections", "3"]);
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let connect = || {
+        let c = TcpStream::connect(&addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        c
+    };
+    // Headers that never end: the server closes the connection after its read timeout.
+    let mut c = connect();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let t = Instant::now();
+    let mut rest = Vec::new();
+    let _ = c.read_to_end(&mut rest);
+    assert!(t.elapsed() < Duration::from_secs(10), "a stalled header was held {:?}", t.elapsed());
+    // A body that stops halfway: 408 with an OpenAI-style body.
+    let mut c = connect();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ").unwrap();
+    let mut reply = String::new();
+    let _ = c.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(reply.contains("\"code\":\"request_timeout\""), "{reply}");
+    // Three silent connections hold every slot: a request waits until they are cut, then is served.
+    let idle: Vec<TcpStream> = (0..3).map(|_| connect()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    let v = server.post_ok("/v1/completions", json!({ "prompt": "hi", "max_tokens": 2 }));
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+    assert!(t.elapsed() >= Duration::from_millis(500), "served at once past a full connection limit ({:?})", t.elapsed());
+    drop(idle);
+    // Stop strings: at most 16, each 1..=256 bytes.
+    let many: Vec<String> = (0..17).map(|i| format!("s{i}")).collect();
+    for stop in [json!(many), json!([""]), json!(["x".repeat(300)])] {
+        let (code, v) = server.post("/v1/completions", &json!({ "prompt": "hi", "max_tokens": 2, "stop": stop }).to_string());
+        assert_eq!((code, v["error"]["param"].as_str()), (400, Some("stop")), "{v}");
+    }
+    server.assert_healthy("the limits");
+    server.wait_idle();
 }

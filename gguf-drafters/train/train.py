@@ -93,6 +93,53 @@ def init_from_target(model, path, target_layers):
           + (f", skipped {', '.join(skipped)}" if skipped else ""), file=sys.stderr)
 
 
+def init_from_drafter(model, path):
+    """Start from a converted drafter GGUF (the shipped one, say): every tensor back under the
+    checkpoint name `dflash2 convert` read it from (q8_0 dequantized), and its draft vocabulary
+    (d2t), returned. A session that lost its checkpoint continues from the shipped weights
+    (a warm restart: the optimizer state is not in the GGUF)."""
+    import gguf
+
+    names = {"fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight",
+             "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight",
+             "token_embd.weight": "embed_tokens.weight",
+             "selector_predecessor.weight": "candidate_selector.predecessor_codebook.weight",
+             "selector_successor.weight": "candidate_selector.successor_codebook.weight",
+             "selector_hidden.weight": "candidate_selector.hidden_projection.weight"}
+    per_layer = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+                 "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+                 "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+                 "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+                 "ffn_down.weight": "mlp.down_proj.weight", "attn_conv_base": "attention_conv.base_kernel",
+                 "attn_conv_proj.weight": "attention_conv.kernel_projection.weight",
+                 "ffn_conv_base": "mlp_conv.base_kernel", "ffn_conv_proj.weight": "mlp_conv.kernel_projection.weight"}
+    sd = model.state_dict()
+    seen, d2t = set(), None
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name == "d2t":
+            d2t = torch.from_numpy(np.array(t.data, dtype=np.int64))
+            continue
+        if t.name.startswith("blk."):
+            _, il, rest = t.name.split(".", 2)
+            key = f"layers.{il}.{per_layer.get(rest, rest)}"
+        else:
+            key = names.get(t.name, t.name)
+        if key not in sd:
+            sys.exit(f"error: {path}: tensor {t.name} has no place in this drafter ({key})")
+        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if w.numel() != sd[key].numel():
+            sys.exit(f"error: {path}: {t.name} has {tuple(w.shape)}, the drafter's {key} {tuple(sd[key].shape)}: "
+                     "pass the architecture flags it was trained with")
+        sd[key].copy_(w.reshape(sd[key].shape))
+        seen.add(key)
+    missing = sorted(set(sd) - seen)
+    if missing:
+        sys.exit(f"error: {path} lacks {', '.join(missing)}")
+    print(f"initialised from drafter {path}: {len(seen)} tensors", file=sys.stderr)
+    return d2t
+
+
 # ----------------------------------------------------------------------------- model
 
 class RMSNorm(nn.Module):
@@ -453,6 +500,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--gamma", type=float, default=0, help="position decay (default 7 for block 16, 4 for 8)")
+    ap.add_argument("--init-from-drafter", default="",
+                    help="start from a drafter GGUF of the same shape (weights and draft vocabulary; not on resume)")
     ap.add_argument("--init-from-target", default="",
                     help="target layers (comma-separated, one per drafter layer) to start the drafter's layers from: "
                          "their norms, V/O projections and FFN where the shapes fit (Q/K stay random: the target's "
@@ -541,8 +590,16 @@ def main():
         t2d[d2t] = torch.arange(len(d2t))
         coverage = counts[d2t].sum().item() / max(1, counts.sum().item())
     model = Drafter(config, n_feat_in, n_vocab, v)
+    if args.init_from_drafter and st is None:
+        with torch.no_grad():
+            d2t = init_from_drafter(model, args.init_from_drafter)
+        if d2t is None or len(d2t) != v:
+            sys.exit(f"error: {args.init_from_drafter} has no draft vocabulary of {v} tokens (d2t)")
+        t2d = torch.full((n_vocab,), -1, dtype=torch.long)
+        t2d[d2t] = torch.arange(len(d2t))
+        coverage = counts[d2t].sum().item() / max(1, counts.sum().item())
     with torch.no_grad():
-        if e == head.shape[1]:
+        if e == head.shape[1] and not (args.init_from_drafter and st is None):
             model.lm_head.weight.copy_(head[d2t])  # start from the target's own head rows
         if args.init_from_target and st is None:
             init_from_target(model, args.target, [int(x) for x in args.init_from_target.split(",")])
@@ -586,6 +643,12 @@ def main():
                     "d2t": d2t.cpu()}, tmp)
         os.replace(tmp, state_path)
 
+    if args.init_from_drafter and st is None and data.val:
+        # the starting point, as the drafter file gives it (q8_0 weights)
+        model.eval()
+        tau_g, tau_w = evaluate(model, data, data.val, args.block, tok_embd, mask_id, d2t, top_k, args.seed)
+        walk = f", selector walk {tau_w:.3f}" if tau_w is not None else ""
+        print(f"eval step 0: held-out tau (block {args.block}) argmax {tau_g:.3f}{walk}", file=sys.stderr, flush=True)
     t0 = time.time()
     run = {"loss": 0.0, "sel": 0.0, "acc1": 0.0, "in_topk": 0.0, "n": 0}
     first_loss = None

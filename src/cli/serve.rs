@@ -41,6 +41,13 @@ pub struct ServeArgs {
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long = "max-body", default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// Seconds a client has to send a request's headers, and again its body; a client that
+    /// stalls longer is cut off.
+    #[arg(long = "read-timeout", default_value_t = 30.0)]
+    pub read_timeout: f64,
+    /// Connections served at once; further ones wait to be accepted.
+    #[arg(long = "max-connections", default_value_t = 512)]
+    pub max_connections: usize,
     /// Block, selection and tree budget of requests that do not set them.
     #[command(flatten)]
     pub draft: super::DraftArgs,
@@ -93,7 +100,17 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         },
         template,
     });
-    let router = server::router(state, args.max_body);
+    anyhow::ensure!(
+        args.read_timeout.is_finite() && args.read_timeout > 0.0,
+        "--read-timeout must be a positive number of seconds"
+    );
+    anyhow::ensure!(args.max_connections >= 1, "--max-connections must be at least 1");
+    let limits = server::Limits {
+        max_connections: args.max_connections,
+        read_timeout: std::time::Duration::from_secs_f64(args.read_timeout),
+        max_body_bytes: args.max_body,
+    };
+    let router = server::router(state, &limits);
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
@@ -101,7 +118,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         // One line on stdout, so that scripts (and the tests) learn a port chosen with --port 0.
         println!("dflash2 listening on http://{}", listener.local_addr()?);
         std::io::stdout().flush()?;
-        server::serve(listener, router).await?;
+        server::serve(listener, router, limits).await?;
         anyhow::Ok(())
     })
 }

@@ -27,6 +27,8 @@ pub enum ApiError {
     TooLarge(String),
     #[error("every slot is busy and the queue is full: retry later")]
     Busy,
+    #[error("the request body did not arrive within {0} s")]
+    Timeout(f64),
     #[error("{0}")]
     Internal(String),
 }
@@ -44,6 +46,7 @@ impl ApiError {
             NotSupported(_) | Unsupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported_error", "not_supported"),
             TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large"),
             Busy => (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", "server_busy"),
+            Timeout(_) => (StatusCode::REQUEST_TIMEOUT, "invalid_request_error", "request_timeout"),
             Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
         }
     }

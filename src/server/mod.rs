@@ -22,6 +22,7 @@ use axum::{middleware, Router};
 use metrics::Metrics;
 use scheduler::Scheduler;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// How requests are decoded when they don't say otherwise (and what they can't change).
 #[derive(Debug, Clone)]
@@ -69,8 +70,23 @@ impl AppState {
     }
 }
 
+/// What one client may take of the server: a public server needs each bounded.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections served at once; more wait to be accepted.
+    pub max_connections: usize,
+    /// Time to send a request's headers, and then its body (a client that stalls is cut off).
+    pub read_timeout: Duration,
+    pub max_body_bytes: usize,
+}
+
+/// How long a handler waits for the rest of a request body (a request extension).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyTimeout(pub Duration);
+
 /// The routes; everything but `/health` needs the API key when one is set.
-pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
+    let body_timeout = BodyTimeout(limits.read_timeout);
     // llama-server answers its OpenAI routes with and without the `/v1` prefix; so do we.
     Router::new()
         .route("/v1/models", get(routes::models))
@@ -96,7 +112,8 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/rerank", post(routes::not_supported))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
-        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(axum::Extension(body_timeout))
         .layer(cors())
         .with_state(state)
 }
@@ -114,9 +131,64 @@ fn cors() -> tower_http::cors::CorsLayer {
         .allow_headers(AllowHeaders::mirror_request())
 }
 
-/// Serve until Ctrl-C or SIGTERM; requests in progress are answered first.
-pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
+/// Serve HTTP/1.1 until Ctrl-C or SIGTERM; requests in progress are answered first. At most
+/// `limits.max_connections` connections are served at once (the rest wait in the listen
+/// backlog), and a client gets `limits.read_timeout` to send each request's headers (an idle
+/// keep-alive connection is closed after as long).
+pub async fn serve(listener: tokio::net::TcpListener, router: Router, limits: Limits) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    use tower::ServiceExt;
+
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let (closing, _) = tokio::sync::watch::channel(false);
+    let mut shutdown = std::pin::pin!(shutdown_signal());
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            _ = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // out of file descriptors and the like: wait, do not spin
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(
+            router.clone().map_request(|req: axum::http::Request<hyper::body::Incoming>| req.map(axum::body::Body::new)),
+        );
+        let mut closing = closing.subscribe();
+        tokio::spawn(async move {
+            // HTTP/1.1 only, as llama-server: the header timer then runs from the first read of
+            // each request, so a client that connects and sends nothing is cut off too
+            // (HTTP/2 detection would first wait for bytes with no timer at all).
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.read_timeout)
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = closing.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+            drop(permit);
+        });
+    }
+    // Let every connection finish its request, then stop.
+    let _ = closing.send(true);
+    let _ = slots.acquire_many(limits.max_connections.max(1) as u32).await;
+    Ok(())
 }
 
 async fn shutdown_signal() {

@@ -35,7 +35,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let body = Bytes::from_request(req, state).await?;
+        let body = read_body(req, state).await?;
         Ok(Self(parse_body(&body)?))
     }
 }
@@ -48,10 +48,22 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Sampled<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let body = Bytes::from_request(req, state).await?;
+        let body = read_body(req, state).await?;
         let (request, sampling) = (parse_body(&body)?, parse_body(&body)?);
         super::fields::refuse_unbuilt(&parse_body(&body)?)?;
         Ok(Self(request, sampling))
+    }
+}
+
+/// The whole body, within the server's read timeout (a client that stalls mid-body is cut off).
+async fn read_body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
+    let limit = req.extensions().get::<super::BodyTimeout>().map(|t| t.0);
+    match limit {
+        Some(limit) => match tokio::time::timeout(limit, Bytes::from_request(req, state)).await {
+            Ok(body) => Ok(body?),
+            Err(_) => Err(ApiError::Timeout(limit.as_secs_f64())),
+        },
+        None => Ok(Bytes::from_request(req, state).await?),
     }
 }
 
@@ -304,7 +316,8 @@ fn options(
     let d = &s.defaults.sampling;
     let n_predict = match max_tokens {
         None => s.defaults.n_predict.unwrap_or(n_ctx).min(n_ctx),
-        Some(n) if (1..=n_ctx as i64).contains(&n) => n as usize,
+        // the server's `-n` caps every request, as llama-server's does
+        Some(n) if (1..=n_ctx as i64).contains(&n) => (n as usize).min(s.defaults.n_predict.unwrap_or(n_ctx)),
         Some(n) => return Err(ApiError::invalid_param(max_name, format!("`{max_name}` must be between 1 and {n_ctx} (the context), got {n}"))),
     };
     let unit = |name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32| match v {
@@ -360,11 +373,30 @@ fn options(
         tree_budget: s.defaults.tree_budget,
         lookup,
         lookup_ngram,
-        stop: f.stop.map(Stop::into_vec).unwrap_or_default(),
+        stop: stop_strings(f.stop)?,
         sampling,
         grammar,
         ..GenerateOptions::default()
     })
+}
+
+/// Most stop strings one request may give, and their longest (every generated piece is
+/// searched for each: the bounds keep that cheap).
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
+
+fn stop_strings(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
+    let stops = stop.map(Stop::into_vec).unwrap_or_default();
+    if stops.len() > MAX_STOPS {
+        return Err(ApiError::invalid_param("stop", format!("`stop` holds {} strings, at most {MAX_STOPS} are served", stops.len())));
+    }
+    if let Some(s) = stops.iter().find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!("a `stop` string must have 1 to {MAX_STOP_BYTES} bytes, one has {}", s.len()),
+        ));
+    }
+    Ok(stops)
 }
 
 /// `POST /apply-template` (llama-server's): the prompt text a chat request would decode.
