@@ -546,3 +546,125 @@ fn the_abi_check_names_a_struct_that_differs_and_a_second_libllama() {
         expect_err(dflash2_spec_abi_check(null()), Status::NullArg, "abi");
     }
 }
+
+/// One token-tree cycle as a frontend with several sequences runs it: every leaf gets a
+/// sequence that shares the prompt, each node is decoded once for the leaves below it, and
+/// dflash2_verify_greedy over the tree's rows gives exactly what plain greedy decoding gives.
+#[test]
+fn a_tree_verified_with_one_sequence_per_leaf_gives_the_plain_tokens() {
+    let target = common::real_model(common::SMOLLM2);
+    dflash2::llama::init_backend();
+    let c = CString::new(target.to_str().unwrap()).unwrap();
+    let (model, ctx) = unsafe {
+        let mut mp = sys::llama_model_default_params();
+        mp.use_extra_bufts = false;
+        let model = sys::llama_model_load_from_file(c.as_ptr(), mp);
+        let mut cp = sys::llama_context_default_params();
+        cp.n_ctx = 1024;
+        cp.n_batch = 256;
+        cp.n_ubatch = 256;
+        cp.n_seq_max = 16;
+        cp.kv_unified = true;
+        cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        (model, sys::llama_init_from_model(model, cp))
+    };
+    let f = Frontend { model, ctx };
+    let p = CSpecParams { select: SELECT_TREE, tree_budget: 12, block_size: 8, ..dflash2_spec_default_params() };
+    let spec = f.spec(&drafter(), &p).unwrap();
+    let loaded = dflash2::llama::Model::load(&target, &Default::default()).unwrap();
+    let prompt = common::chat_prompt(&loaded, "Write a Python function that returns the n-th Fibonacci number.");
+    let plain = {
+        let cfg = EngineConfig { n_ctx: 1024, repack: Repack::Off, ..EngineConfig::new(target.clone(), None) };
+        let mut e = Engine::load(&cfg).unwrap();
+        let opts = GenerateOptions { n_predict: 12, select: SelectMode::None, ..GenerateOptions::default() };
+        e.generate(&prompt, &opts, |_| true).unwrap().tokens
+    };
+    let greedy = greedy_chain();
+    unsafe {
+        let mem = sys::llama_get_memory(f.ctx);
+        sys::llama_memory_clear(mem, true);
+        assert_eq!(dflash2_spec_begin(spec, 0), Status::Ok);
+        let b = f.decode(&prompt, 0, 0);
+        assert_eq!(dflash2_spec_process(spec, &b), Status::Ok, "{}", last_error());
+        let (mut out, mut n) = ([0i32; 16], 0usize);
+        let rows = [prompt.len() as i32 - 1];
+        assert_eq!(dflash2_verify_greedy(spec, 0, greedy, f.ctx, rows.as_ptr(), 1, out.as_mut_ptr(), 16, &mut n), Status::Ok);
+        let first = out[0];
+        assert_eq!(first, plain[0]);
+        let pos = prompt.len() as i32;
+        let (mut tokens, mut parents) = ([0i32; 16], [0i32; 16]);
+        let st = dflash2_spec_draft_tree(spec, 0, first, pos, tokens.as_mut_ptr(), parents.as_mut_ptr(), 16, &mut n);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        let n_nodes = n;
+        // Leaves get sequences 1.. (sharing the prompt); a node belongs to the leaves below it.
+        let is_leaf = |k: usize| !(0..n_nodes).any(|j| parents[j] == k as i32);
+        let leaves: Vec<usize> = (0..n_nodes).filter(|&k| is_leaf(k)).collect();
+        assert!(leaves.len() < 16, "{} leaves", leaves.len());
+        let leaf_seq = |l: usize| 1 + leaves.iter().position(|&x| x == l).unwrap() as i32;
+        for &l in &leaves {
+            sys::llama_memory_seq_cp(mem, 0, leaf_seq(l), 0, pos);
+        }
+        let below = |k: usize| -> Vec<i32> {
+            leaves
+                .iter()
+                .filter(|&&l| {
+                    let mut x = l as i32;
+                    while x >= 0 && x != k as i32 {
+                        x = parents[x as usize];
+                    }
+                    x == k as i32
+                })
+                .map(|&l| leaf_seq(l))
+                .collect()
+        };
+        let depth = |k: usize| {
+            let (mut d, mut x) = (1, parents[k]);
+            while x >= 0 {
+                d += 1;
+                x = parents[x as usize];
+            }
+            d
+        };
+        let mut tb = sys::llama_batch_init(n_nodes as i32 + 1, 0, 16);
+        let mut put = |row: usize, token: i32, p: i32, seqs: &[i32]| {
+            *tb.token.add(row) = token;
+            *tb.pos.add(row) = p;
+            *tb.n_seq_id.add(row) = seqs.len() as i32;
+            for (i, &s) in seqs.iter().enumerate() {
+                *(*tb.seq_id.add(row)).add(i) = s;
+            }
+            *tb.logits.add(row) = 1;
+        };
+        let all: Vec<i32> = std::iter::once(0).chain(leaves.iter().map(|&l| leaf_seq(l))).collect();
+        put(0, first, pos, &all);
+        for k in 0..n_nodes {
+            put(k + 1, tokens[k], pos + depth(k), &below(k));
+        }
+        tb.n_tokens = n_nodes as i32 + 1;
+        assert_eq!(sys::llama_decode(f.ctx, tb), 0);
+        assert_eq!(dflash2_spec_process(spec, &tb), Status::Ok, "{}", last_error());
+        let rows: Vec<i32> = (0..=n_nodes as i32).collect();
+        let st = dflash2_verify_greedy(spec, 0, greedy, f.ctx, rows.as_ptr(), rows.len() as i32, out.as_mut_ptr(), 16, &mut n);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        assert_eq!(&out[..n], &plain[1..1 + n], "the tree's accepted path and bonus are the plain tokens");
+        eprintln!("tree of {n_nodes} nodes, {} leaves: {} accepted", leaves.len(), n - 1);
+        assert!(n >= 2, "the shipped drafter's tree should hold the next plain token here");
+        // The accepted path's rows become sequence 0's features (the anchor's row first).
+        let mut path_rows = vec![0i32];
+        let mut at: i32 = -1;
+        for &t in &out[..n - 1] {
+            let k = (0..n_nodes).find(|&k| parents[k] == at && tokens[k] == t).expect("an accepted token is a child") as i32;
+            path_rows.push(k + 1);
+            at = k;
+        }
+        assert_eq!(dflash2_spec_accept_rows(spec, 0, path_rows.as_ptr(), path_rows.len() as i32), Status::Ok, "{}", last_error());
+        let mut st = std::mem::MaybeUninit::<CSpecStats>::uninit();
+        assert_eq!(dflash2_spec_get_stats(spec, 0, st.as_mut_ptr()), Status::Ok);
+        let st = st.assume_init();
+        assert_eq!((st.cycles, st.n_accepted as usize), (1, n - 1), "{st:?}");
+        sys::llama_batch_free(b);
+        sys::llama_batch_free(tb);
+        sys::llama_sampler_free(greedy);
+        dflash2_spec_free(spec);
+    }
+}

@@ -8,6 +8,7 @@ mod common;
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -1053,7 +1054,7 @@ fn a_full_queue_answers_503_and_clients_that_leave_free_their_slot() {
 #[test]
 fn stalled_clients_are_cut_off_and_extra_connections_wait_their_turn() {
     use std::io::Write;
-    use std::net::TcpStream;
+
     let server = Server::start("limits", &["--read-timeout", "1", "--max-connections", "3"]);
     let addr = server.base.trim_start_matches("http://").to_string();
     let connect = || {
@@ -1091,4 +1092,149 @@ fn stalled_clients_are_cut_off_and_extra_connections_wait_their_turn() {
     }
     server.assert_healthy("the limits");
     server.wait_idle();
+}
+
+/// Resident memory of a process, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A soak: client threads for `DFLASH2_SOAK_SECS` (default 40) mixing streamed and plain chat and
+/// completion requests at T=0 and T>0, clients that disconnect mid-stream, send half a request
+/// and stall, or send garbage, and bursts past the slots and the queue. Afterwards: every finished
+/// T=0 answer equals the same request alone on a plain server, no 5xx but 503 and every error an
+/// OpenAI-style body, no slot or queue entry left, and memory within 64 MiB of after the warm-up.
+#[test]
+fn a_soak_of_mixed_and_misbehaving_clients_loses_nothing() {
+    use rand::{Rng, SeedableRng};
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+    let secs: u64 = std::env::var("DFLASH2_SOAK_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
+    let d = drafter();
+    let spec = Server::start("soak-spec", &["-d", &d, "-np", "2", "--queue", "4", "-c", "1024", "--read-timeout", "2"]);
+    let plain = Server::start("soak-plain", &["-np", "1", "-c", "512"]);
+    // warm-up: every kind of request once
+    for body in [json!({ "prompt": "hi", "n_predict": 8 }), json!({ "prompt": "hi", "n_predict": 8, "temperature": 0.8 })] {
+        spec.post_ok("/completion", body);
+    }
+    let rss_warm = rss_kib(spec.child.id());
+    let addr = spec.base.trim_start_matches("http://").to_string();
+    let finished: Arc<Mutex<Vec<(Value, Value)>>> = Arc::default();
+    let tally: Arc<Mutex<std::collections::BTreeMap<String, usize>>> = Arc::default();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let threads: Vec<_> = (0..6u64)
+        .map(|t| {
+            let (base, addr, finished, tally) = (spec.base.clone(), addr.clone(), finished.clone(), tally.clone());
+            std::thread::spawn(move || {
+                let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(t);
+                let count = |what: String| *tally.lock().unwrap().entry(what).or_default() += 1;
+                while Instant::now() < deadline {
+                    let prompt = common::PROMPTS[r.gen_range(0..common::PROMPTS.len())];
+                    match r.gen_range(0..10) {
+                        // T=0, checked against plain decoding afterwards
+                        0..=3 => {
+                            let long = r.gen_bool(0.2);
+                            let prompt = if long { prompt.repeat(40) } else { prompt.to_string() };
+                            let body = json!({ "prompt": prompt, "n_predict": r.gen_range(4..40), "temperature": 0, "return_tokens": true });
+                            let (code, text) = curl(&["-X", "POST", "-d", &body.to_string(), &format!("{base}/completion")]);
+                            count(format!("{code}"));
+                            assert!(code == 200 || code == 503 || code == 400, "{code}: {text}");
+                            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{code} not JSON ({e}): {text}"));
+                            if code == 200 {
+                                finished.lock().unwrap().push((body, v["tokens"].clone()));
+                            } else {
+                                assert!(v["error"]["message"].is_string(), "{v}");
+                            }
+                        }
+                        // T>0 chat, streamed or not
+                        4 | 5 => {
+                            let stream = r.gen_bool(0.5);
+                            let body = json!({ "messages": [{ "role": "user", "content": prompt }], "max_tokens": r.gen_range(4..32),
+                                               "temperature": 0.8, "stream": stream });
+                            let (code, text) = curl(&["-N", "-X", "POST", "-d", &body.to_string(), &format!("{base}/v1/chat/completions")]);
+                            count(format!("{code}"));
+                            assert!(code == 200 || code == 503, "{code}: {text}");
+                            if code == 200 && stream {
+                                assert!(text.trim_end().ends_with("data: [DONE]"), "a stream that did not end: {text}");
+                            }
+                        }
+                        // a client that leaves mid-stream
+                        6 => {
+                            let body = json!({ "prompt": prompt, "max_tokens": 400, "stream": true });
+                            let _ = Command::new("curl")
+                                .args(["-sN", "--noproxy", "*", "--max-time", "0.3", "-X", "POST", "-d", &body.to_string()])
+                                .arg(format!("{base}/v1/completions"))
+                                .output();
+                            count("left mid-stream".into());
+                        }
+                        // half a request, then silence (the server cuts it off)
+                        7 => {
+                            if let Ok(mut c) = TcpStream::connect(&addr) {
+                                let _ = c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"prompt\":");
+                                c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                                let mut reply = String::new();
+                                let _ = c.read_to_string(&mut reply);
+                                assert!(reply.is_empty() || reply.starts_with("HTTP/1.1 408"), "{reply}");
+                            }
+                            count("stalled".into());
+                        }
+                        // garbage
+                        8 => {
+                            if let Ok(mut c) = TcpStream::connect(&addr) {
+                                let junk: Vec<u8> = (0..r.gen_range(1..2000)).map(|_| r.gen()).collect();
+                                let _ = c.write_all(&junk);
+                                let _ = c.shutdown(std::net::Shutdown::Write);
+                                c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                                let mut reply = Vec::new();
+                                let _ = c.read_to_end(&mut reply);
+                                let text = String::from_utf8_lossy(&reply);
+                                assert!(!text.starts_with("HTTP/1.1 5"), "garbage got a 5xx: {text}");
+                            }
+                            count("garbage".into());
+                        }
+                        // a burst past the slots and the queue
+                        _ => {
+                            let body = json!({ "prompt": prompt, "max_tokens": 24 }).to_string();
+                            let url = format!("{base}/v1/completions");
+                            let burst: Vec<_> = (0..8)
+                                .map(|_| {
+                                    Command::new("curl")
+                                        .args(["-s", "--noproxy", "*", "--max-time", "120", "-w", "\n%{http_code}", "-X", "POST", "-d", &body, &url])
+                                        .stdout(Stdio::piped())
+                                        .spawn()
+                                        .unwrap()
+                                })
+                                .collect();
+                            for c in burst {
+                                let out = String::from_utf8_lossy(&c.wait_with_output().unwrap().stdout).into_owned();
+                                let (text, code) = out.rsplit_once('\n').unwrap();
+                                assert!(code == "200" || code == "503", "{code}: {text}");
+                                count(format!("burst {code}"));
+                            }
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    spec.wait_idle();
+    spec.assert_healthy("the soak");
+    let rss_end = rss_kib(spec.child.id());
+    let finished = finished.lock().unwrap();
+    eprintln!("soak {secs} s: {:?}; T=0 finished {}; RSS {rss_warm} -> {rss_end} KiB", tally.lock().unwrap(), finished.len());
+    assert!(finished.len() >= 5, "too few requests finished to judge");
+    assert!(rss_end <= rss_warm + 64 * 1024, "RSS grew from {rss_warm} to {rss_end} KiB");
+    assert_eq!(spec.metric("requests_failed_total"), 0.0);
+    for (body, tokens) in finished.iter() {
+        let alone = plain.post_ok("/completion", body.clone());
+        assert_eq!(&alone["tokens"], tokens, "{body} differs from plain decoding");
+    }
 }

@@ -1,0 +1,331 @@
+//! Inputs nobody thought of: seeded mutation fuzzing of the parsers of outside bytes. GGUF files
+//! (the pre-scan and pairing check in-process; the whole llama.cpp load in a child process for
+//! the mutants the pre-scan lets through) and HTTP request bodies against the real server.
+//! Nothing may panic, abort or hang; every refusal is a clear error. A short run is part of the
+//! suite; `DFLASH2_FUZZ_ITERS=N` (and `DFLASH2_FUZZ_SEED`) runs a longer campaign.
+mod common;
+
+use dflash2::gguf::{check_pair, read_model_info};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+fn iters(default: usize) -> usize {
+    std::env::var("DFLASH2_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn rng(salt: u64) -> ChaCha8Rng {
+    let seed: u64 = std::env::var("DFLASH2_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    ChaCha8Rng::seed_from_u64(seed ^ salt)
+}
+
+fn models() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = common::scratch_dir("fuzz-synth");
+        dflash2::gguf::synth::synth_all(&dir, 3).unwrap();
+        dir
+    })
+}
+
+/// Integers that break length and count arithmetic.
+const EDGES: [u64; 9] = [0, 1, 0x7f, 0xff, 0xffff, 0x7fff_ffff, 0xffff_ffff, 0x7fff_ffff_ffff_ffff, u64::MAX];
+
+/// One to four mutations, mostly in the header (metadata and tensor infos: what is parsed).
+fn mutate(bytes: &[u8], header: usize, r: &mut ChaCha8Rng) -> Vec<u8> {
+    let mut b = bytes.to_vec();
+    for _ in 0..r.gen_range(1..=4) {
+        let span = if r.gen_bool(0.9) { header.min(b.len()) } else { b.len() };
+        if span < 8 {
+            break;
+        }
+        let at = r.gen_range(0..span - 8);
+        match r.gen_range(0..6) {
+            0 => b[at] ^= 1 << r.gen_range(0..8),
+            1 => b[at] = r.gen(),
+            2 => b[at..at + 4].copy_from_slice(&(EDGES[r.gen_range(0..EDGES.len())] as u32).to_le_bytes()),
+            3 => b[at..at + 8].copy_from_slice(&EDGES[r.gen_range(0..EDGES.len())].to_le_bytes()),
+            4 => b.truncate(at),
+            _ => {
+                let n = r.gen_range(1..64).min(b.len() - at);
+                b.drain(at..at + n);
+            }
+        }
+    }
+    b
+}
+
+/// Where a GGUF's tensor data starts, roughly: what the pre-scan reads lies before.
+fn header_len(bytes: &[u8]) -> usize {
+    (bytes.len() / 8).clamp(4096, 256 << 10)
+}
+
+#[test]
+fn gguf_prescan_and_pairing_survive_mutated_files() {
+    let dir = common::scratch_dir("fuzz-gguf");
+    let target = models().join("target.gguf");
+    let target_info = read_model_info(&target).unwrap();
+    let seeds: Vec<PathBuf> = ["target.gguf", "drafter-dflash2.gguf", "drafter-dflash1.gguf"]
+        .iter()
+        .map(|f| models().join(f))
+        .chain([common::real_model(common::SMOLLM2)])
+        .collect();
+    let mut r = rng(0x6767);
+    let (n, mut accepted, mut refused) = (iters(3000), Vec::new(), 0usize);
+    for i in 0..n {
+        let seed = &seeds[i % seeds.len()];
+        // the real target: its first MiB only (the pre-scan never reads its tensor data)
+        let bytes = read_prefix(seed, 4 << 20);
+        let m = mutate(&bytes, header_len(&bytes), &mut r);
+        let file = dir.join(format!("m{}.gguf", i % 8));
+        std::fs::write(&file, &m).unwrap();
+        let t = Instant::now();
+        let outcome = std::panic::catch_unwind(|| {
+            let info = read_model_info(&file)?;
+            if info.dflash.is_some() {
+                let _ = check_pair(&target_info, &info);
+            }
+            Ok::<_, dflash2::gguf::GgufError>(info)
+        });
+        let kept = dir.join(format!("panic-{i}.gguf"));
+        match outcome {
+            Err(_) => {
+                std::fs::write(&kept, &m).unwrap();
+                panic!("the pre-scan panicked on mutant {i} of {} (kept as {})", seed.display(), kept.display());
+            }
+            Ok(Err(e)) => {
+                refused += 1;
+                assert!(!e.to_string().is_empty());
+            }
+            Ok(Ok(_)) if seed.starts_with(models()) => {
+                if accepted.len() < 64 {
+                    let keep = dir.join(format!("accepted-{}.gguf", accepted.len()));
+                    std::fs::write(&keep, &m).unwrap();
+                    accepted.push(keep);
+                }
+            }
+            Ok(Ok(_)) => {}
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "mutant {i} took {:?} to pre-scan", t.elapsed());
+    }
+    eprintln!("{n} mutants: {refused} refused by the pre-scan, {} of the synthetic ones passed it", accepted.len());
+    assert!(refused > n / 4, "the mutations should mostly break something ({refused} of {n} refused)");
+
+    // What the pre-scan lets through goes to llama.cpp: an error, never an abort or a hang.
+    for (i, file) in accepted.iter().enumerate() {
+        let is_drafter = read_model_info(file).map(|m| m.dflash.is_some()).unwrap_or(false);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash2"));
+        cmd.args(["generate", "-n", "2", "-t", "1", "-p", "hello", "-m"]);
+        if is_drafter {
+            cmd.arg(&target).arg("-d").arg(file).args(["--block", "4"]);
+        } else {
+            cmd.arg(file);
+        }
+        let out = run_bounded(cmd, Duration::from_secs(60));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let code = out.status.code();
+        assert!(
+            code.is_some() && !stderr.contains("panicked"),
+            "accepted mutant {i} ({}) crashed the load: {:?}\n{}",
+            file.display(),
+            out.status,
+            tail(&stderr)
+        );
+        if code != Some(0) {
+            assert!(stderr.contains("error"), "mutant {i}: a failure without a message:\n{}", tail(&stderr));
+        }
+    }
+}
+
+fn read_prefix(path: &Path, n: usize) -> Vec<u8> {
+    let mut f = std::fs::File::open(path).unwrap();
+    let mut b = Vec::new();
+    Read::by_ref(&mut f).take(n as u64).read_to_end(&mut b).unwrap();
+    b
+}
+
+fn tail(s: &str) -> &str {
+    &s[s.len().saturating_sub(2000)..]
+}
+
+fn run_bounded(mut cmd: Command, limit: Duration) -> std::process::Output {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + limit;
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{cmd:?} hung past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---- HTTP ---------------------------------------------------------------------------------
+
+struct Server {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_server() -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash2"))
+        .args(["serve", "--port", "0", "-t", "1", "-np", "2", "-n", "8", "--read-timeout", "2", "-m"])
+        .arg(models().join("target.gguf"))
+        .arg("-d")
+        .arg(models().join("drafter-dflash2.gguf"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("dflash2 listening on http://").expect("a listening line").to_string();
+    Server { child, addr }
+}
+
+/// One request on its own connection: (status, body).
+fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    c.write_all(head.as_bytes()).unwrap();
+    let _ = c.write_all(body);
+    let mut reply = Vec::new();
+    c.read_to_end(&mut reply).unwrap();
+    let text = String::from_utf8_lossy(&reply);
+    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("no status line: {text:?}"));
+    let body_at = reply.windows(4).position(|w| w == b"\r\n\r\n").map_or(reply.len(), |i| i + 4);
+    (status, reply[body_at..].to_vec())
+}
+
+/// A random JSON value: what a confused or hostile client puts where a field goes.
+fn random_value(r: &mut ChaCha8Rng, depth: usize) -> Value {
+    match r.gen_range(0..if depth > 3 { 9 } else { 11 }) {
+        0 => Value::Null,
+        1 => json!(r.gen_bool(0.5)),
+        2 => json!(EDGES[r.gen_range(0..EDGES.len())]),
+        3 => json!(-(r.gen_range(0..i64::MAX))),
+        4 => json!([1e308, -1e-308, 0.5, 3.0][r.gen_range(0..4)]),
+        5 => json!(""),
+        6 => json!("\u{0}\u{fffd}\u{1F600}<|im_start|>"),
+        7 => json!("x".repeat(r.gen_range(1..5000))),
+        8 => json!(r.gen_range(-3..70)),
+        9 => Value::Array((0..r.gen_range(0..6)).map(|_| random_value(r, depth + 1)).collect()),
+        _ => {
+            let mut m = serde_json::Map::new();
+            for k in ["role", "content", "type", "text", "id", "name"] {
+                if r.gen_bool(0.4) {
+                    m.insert(k.into(), random_value(r, depth + 1));
+                }
+            }
+            Value::Object(m)
+        }
+    }
+}
+
+/// A valid body with a few fields replaced, added or removed.
+fn mutate_json(base: &Value, r: &mut ChaCha8Rng) -> Value {
+    const FIELDS: [&str; 24] = [
+        "prompt", "messages", "max_tokens", "n_predict", "temperature", "top_p", "top_k", "min_p", "stop", "stream",
+        "n", "seed", "logit_bias", "logprobs", "top_logprobs", "n_probs", "grammar", "json_schema", "response_format",
+        "input_prefix", "input_suffix", "tokens", "content", "samplers",
+    ];
+    let mut v = base.clone();
+    let obj = v.as_object_mut().expect("bodies are objects");
+    for _ in 0..r.gen_range(1..=3) {
+        let field = FIELDS[r.gen_range(0..FIELDS.len())];
+        match r.gen_range(0..4) {
+            0 => {
+                obj.remove(field);
+            }
+            1 if field == "messages" => {
+                let msgs = (0..r.gen_range(0..4)).map(|_| random_value(r, 1)).collect();
+                obj.insert(field.into(), Value::Array(msgs));
+            }
+            _ => {
+                obj.insert(field.into(), random_value(r, 0));
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn http_bodies_mutated_get_answers_or_openai_errors_and_the_server_keeps_serving() {
+    let server = start_server();
+    let corpus: [(&str, Value); 7] = [
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4 })),
+        ("/v1/completions", json!({ "prompt": "Once upon", "max_tokens": 4 })),
+        ("/completion", json!({ "prompt": "Once upon", "n_predict": 4 })),
+        ("/infill", json!({ "input_prefix": "def f(", "input_suffix": "\n", "n_predict": 4 })),
+        ("/tokenize", json!({ "content": "hello world" })),
+        ("/detokenize", json!({ "tokens": [1, 2, 3] })),
+        ("/apply-template", json!({ "messages": [{ "role": "user", "content": "hi" }] })),
+    ];
+    let mut r = rng(0x4854);
+    let mut by_status = std::collections::BTreeMap::<u16, usize>::new();
+    for i in 0..iters(400) {
+        let (path, base) = &corpus[i % corpus.len()];
+        let body = if r.gen_bool(0.8) {
+            serde_json::to_vec(&mutate_json(base, &mut r)).unwrap()
+        } else {
+            // byte-level damage: truncation, stray bytes, invalid UTF-8
+            let mut b = serde_json::to_vec(base).unwrap();
+            let at = r.gen_range(0..b.len());
+            match r.gen_range(0..3) {
+                0 => b.truncate(at),
+                1 => b[at] = r.gen(),
+                _ => b.insert(at, 0xff),
+            }
+            b
+        };
+        let (status, reply) = http(&server.addr, "POST", path, &body);
+        *by_status.entry(status).or_default() += 1;
+        let shown = String::from_utf8_lossy(&body);
+        assert!(
+            matches!(status, 200 | 400 | 404 | 413 | 501 | 503),
+            "{path} answered {status} to {shown}: {}",
+            String::from_utf8_lossy(&reply)
+        );
+        if status != 200 {
+            let v: Value = serde_json::from_slice(&reply)
+                .unwrap_or_else(|e| panic!("{path} {status} is not JSON ({e}) for {shown}: {}", String::from_utf8_lossy(&reply)));
+            assert!(v["error"]["message"].is_string(), "{path} {status}: {v} for {shown}");
+        }
+    }
+    eprintln!("statuses: {by_status:?}");
+    assert!(by_status.get(&200).copied().unwrap_or(0) > 0 && by_status.get(&400).copied().unwrap_or(0) > 0, "{by_status:?}");
+    // Still serving, nothing left behind.
+    let (status, _) = http(&server.addr, "POST", "/v1/completions", br#"{"prompt": "hi", "max_tokens": 2}"#);
+    assert_eq!(status, 200);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, m) = http(&server.addr, "GET", "/metrics", b"");
+        let m = String::from_utf8_lossy(&m).into_owned();
+        let busy = |name: &str| m.lines().any(|l| l.starts_with(name) && !l.ends_with(" 0"));
+        if !busy("dflash2_requests_in_flight ") && !busy("dflash2_requests_queued ") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots left busy: {m}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
