@@ -104,6 +104,21 @@ fn a_prompt_over_the_context_exits_with_a_clear_error() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// A KV cache larger than the machine's memory is refused with the sizes before llama.cpp
+/// allocates it (an overcommitted allocation would get the process killed without a word).
+#[test]
+fn a_context_larger_than_memory_is_refused_at_start() {
+    let target = path("target.gguf");
+    for cmd in [&["generate", "-m", &target, "-p", "hi", "--select", "none", "-c", "2000000000"][..],
+                &["serve", "-m", &target, "--port", "0", "-c", "2000000000"][..]] {
+        let out = dflash2(cmd);
+        assert!(!out.status.success(), "{cmd:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("GiB of KV cache") && err.contains("lower --ctx-size"), "{cmd:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
 #[test]
 fn missing_model_file_is_a_clear_error() {
     let out = dflash2(&["generate", "-m", "/nonexistent/model.gguf", "-p", "hi", "--select", "none"]);

@@ -259,6 +259,7 @@ impl Context {
                 )));
             }
         }
+        check_memory(&model, params)?;
         let mut cp = unsafe { sys::llama_context_default_params() };
         cp.type_k = params.cache_k.ggml();
         cp.type_v = params.cache_v.ggml();
@@ -552,6 +553,45 @@ impl Context {
     pub fn clear_memory(&mut self) {
         unsafe { sys::llama_memory_clear(self.memory(), true) }
     }
+}
+
+/// Bytes of KV cache a context of `n_ctx` cells takes (every layer, K and V).
+fn kv_bytes(model: &Model, params: &ContextParams) -> f64 {
+    let n_head_kv = unsafe { sys::llama_model_n_head_kv(model.as_ptr()) }.max(1) as f64;
+    let (head_k, head_v) = model.head_sizes();
+    let per_value = |t: CacheType| unsafe { sys::ggml_type_sizef(t.ggml()) };
+    let per_cell = n_head_kv * (head_k as f64 * per_value(params.cache_k) + head_v as f64 * per_value(params.cache_v));
+    params.n_ctx as f64 * model.n_layer() as f64 * per_cell
+}
+
+/// A KV cache larger than the memory left is refused before llama.cpp allocates it: the
+/// allocation can succeed (the kernel overcommits) and the first write then has the process
+/// killed, with no message. Only where the cache lives in host memory (CPU builds).
+fn check_memory(model: &Model, params: &ContextParams) -> Result<()> {
+    if unsafe { sys::llama_supports_gpu_offload() } && model.n_gpu_layers() != 0 {
+        return Ok(());
+    }
+    let Some(available) = mem_available() else { return Ok(()) };
+    let needed = kv_bytes(model, params);
+    if needed > available as f64 {
+        const GIB: f64 = (1u64 << 30) as f64;
+        return Err(LlamaError::Invalid(format!(
+            "a context of {} tokens needs {:.1} GiB of KV cache for {}, and {:.1} GiB of memory are available: \
+             lower --ctx-size (or use a quantized K cache, -ctk q8_0)",
+            params.n_ctx,
+            needed / GIB,
+            model.path(),
+            available as f64 / GIB
+        )));
+    }
+    Ok(())
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes (None where there is none).
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Architectures whose llama.cpp graph exposes layer inputs (`t_layer_inp`); the rest
