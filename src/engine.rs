@@ -239,6 +239,9 @@ pub struct Stats {
     /// oracle picking among the candidates would have.
     pub rejections: usize,
     pub rejected_in_candidates: usize,
+    /// Drafter outputs with ids outside the vocabulary or scores that are not numbers,
+    /// repaired before selection (a drafter gone wrong; the output stays the target's).
+    pub repaired_lattices: usize,
     /// Per draft source: what the DFlash drafter and the context look-up proposed and
     /// the target took (a node both proposed counts for both).
     pub from_drafter: SourceStats,
@@ -716,6 +719,7 @@ impl Engine {
         let drafter = self.drafter.as_mut().expect("speculative runs need a drafter");
         let lattices = drafter.draft(&blocks, n_block)?;
         for (&i, l) in drafting.iter().zip(lattices) {
+            runs[plans[i].run].stats.repaired_lattices += usize::from(l.repaired > 0);
             let n = plans[i].max_draft.min(l.n_pos);
             plans[i].lattice = Some(l.truncated(n));
         }

@@ -209,3 +209,31 @@ fn batched_slots_equal_plain_decoding_run_alone() {
         assert_eq!(max_together, 4, "the slots never ran together");
     }
 }
+
+/// A drafter whose numbers are not numbers (its output norm set to NaN) drafts garbage
+/// lattices: they are repaired before selection and counted, and the output stays the target's.
+#[test]
+fn a_drafter_that_outputs_nan_never_changes_the_output() {
+    let bad = synth_dir().join("drafter-nan.gguf");
+    std::fs::copy(synth_dir().join("drafter-dflash2.gguf"), &bad).unwrap();
+    let g = dflash2::gguf::read_gguf(&bad).unwrap();
+    let norm = g.tensors.iter().find(|t| t.name == "output_norm.weight" && t.ggml_type == 0).expect("an f32 output norm");
+    let mut bytes = std::fs::read(&bad).unwrap();
+    for v in bytes[norm.offset as usize..(norm.offset + norm.nbytes) as usize].chunks_exact_mut(4) {
+        v.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&bad, bytes).unwrap();
+    let target = load(&synth_dir().join("target.gguf"));
+    let drafter = load(&bad);
+    let prompts = tokenize(&target, &["The quick brown fox", "def fibonacci(n):"]);
+    let mut plain = engine(&target, None);
+    let mut spec = engine(&target, Some(&drafter));
+    for p in &prompts {
+        let want = generate(&mut plain, p, SelectMode::None, 1, 24);
+        for select in [SelectMode::Greedy, SelectMode::BestPath, SelectMode::Tree] {
+            let got = generate(&mut spec, p, select, 6, 24);
+            assert_eq!(got.tokens, want.tokens, "{select:?}");
+            assert!(got.stats.repaired_lattices > 0, "{select:?}: the NaN lattices were not counted");
+        }
+    }
+}

@@ -155,8 +155,10 @@ impl Drafter {
                 match self.selector_k {
                     Some(k) => {
                         let rows = &self.ctx.nextn()?[first * row_stride..(first + n_block) * row_stride];
-                        Lattice::from_dflash2_rows(rows, row_stride, k, n_block)
-                            .ok_or_else(|| LlamaError::Invalid("malformed DFlash 2 lattice".into()))
+                        let mut l = Lattice::from_dflash2_rows(rows, row_stride, k, n_block)
+                            .ok_or_else(|| LlamaError::Invalid("malformed DFlash 2 lattice".into()))?;
+                        l.repair(self.ctx.model().n_vocab());
+                        Ok(l)
                     }
                     None => {
                         let logits: Vec<&[f32]> =

@@ -20,13 +20,39 @@ pub struct Lattice {
     pub n_pos: usize,
     pub ids: Vec<i32>,
     pub scores: Vec<f32>,
+    /// Entries repaired when read from the drafter (ids outside the vocabulary, scores that
+    /// are not numbers): a drafter gone wrong, which verification makes harmless.
+    pub repaired: usize,
 }
 
 impl Lattice {
     pub fn new(k: usize, n_pos: usize, ids: Vec<i32>, scores: Vec<f32>) -> Self {
         assert_eq!(ids.len(), n_pos * k, "lattice ids: expected n_pos*k entries");
         assert_eq!(scores.len(), n_pos * k * k, "lattice scores: expected n_pos*k*k entries");
-        Self { k, n_pos, ids, scores }
+        Self { k, n_pos, ids, scores, repaired: 0 }
+    }
+
+    /// Make a lattice read from a drafter safe to select from: a candidate id outside
+    /// `0..n_vocab` (or not a number) becomes token 0 and can never be picked (its scores
+    /// -inf), a NaN score becomes -inf. Counts the repairs in [`Lattice::repaired`].
+    pub fn repair(&mut self, n_vocab: usize) {
+        let k = self.k;
+        for t in 0..self.n_pos {
+            for c in 0..k {
+                let id = self.ids[t * k + c];
+                if id < 0 || id as usize >= n_vocab {
+                    self.ids[t * k + c] = 0;
+                    for p in 0..k {
+                        self.scores[(t * k + p) * k + c] = f32::NEG_INFINITY;
+                    }
+                    self.repaired += 1;
+                }
+            }
+        }
+        for s in self.scores.iter_mut().filter(|s| s.is_nan()) {
+            *s = f32::NEG_INFINITY;
+            self.repaired += 1;
+        }
     }
 
     /// Candidate `c` of position `t`.
@@ -50,6 +76,7 @@ impl Lattice {
             n_pos: n,
             ids: self.ids[..n * self.k].to_vec(),
             scores: self.scores[..n * self.k * self.k].to_vec(),
+            repaired: self.repaired,
         }
     }
 }
@@ -130,4 +157,29 @@ pub fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
     idx.sort_unstable_by(cmp);
     idx.truncate(k);
     idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repair_makes_foreign_ids_unpickable_and_nan_scores_minus_infinity() {
+        // 2 positions, K = 2: ids [5, 99 (outside a 10-token vocabulary)], [-3, 7]; a NaN score
+        // in a foreign id's column (repaired with it) and one in a valid column.
+        let mut l = Lattice::new(2, 2, vec![5, 99, -3, 7], vec![1.0, 2.0, 0.5, f32::NAN, 3.0, f32::NAN, 1.0, 1.0]);
+        l.repair(10);
+        assert_eq!(l.ids, vec![5, 0, 0, 7]);
+        assert_eq!(l.repaired, 3);
+        for t in 0..2 {
+            for p in 0..2 {
+                let row = l.score_row(t, p);
+                let bad = if t == 0 { 1 } else { 0 };
+                assert_eq!(row[bad], f32::NEG_INFINITY, "t {t} p {p}: {row:?}");
+                assert!(!row.iter().any(|s| s.is_nan()), "t {t} p {p}: {row:?}");
+            }
+        }
+        assert_eq!(argmax(l.score_row(0, 0)), 0);
+        assert_eq!(argmax(l.score_row(1, 1)), 1);
+    }
 }

@@ -16,6 +16,7 @@ pub struct Metrics {
     draft_accepted: AtomicU64,
     cycles: AtomicU64,
     cycle_tokens: AtomicU64,
+    repaired_lattices: AtomicU64,
     /// Microseconds, so that they fit in an atomic integer.
     prompt_us: AtomicU64,
     predicted_us: AtomicU64,
@@ -47,6 +48,7 @@ impl Metrics {
         self.draft_accepted.fetch_add(s.n_draft_accepted as u64, Relaxed);
         self.cycles.fetch_add(s.cycles as u64, Relaxed);
         self.cycle_tokens.fetch_add(s.cycle_tokens as u64, Relaxed);
+        self.repaired_lattices.fetch_add(s.repaired_lattices as u64, Relaxed);
         self.prompt_us.fetch_add((s.prefill_ms * 1e3) as u64, Relaxed);
         self.predicted_us.fetch_add(((s.total_ms - s.prefill_ms).max(0.0) * 1e3) as u64, Relaxed);
     }
@@ -64,7 +66,7 @@ impl Metrics {
         let get = |c: &AtomicU64| c.load(Relaxed);
         let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         let predicted_s = get(&self.predicted_us) as f64 / 1e6;
-        let rows: [(&str, &str, &str, f64); 16] = [
+        let rows: [(&str, &str, &str, f64); 17] = [
             ("requests_finished_total", "counter", "Generations that ran to the end.", get(&self.finished) as f64),
             (
                 "requests_cancelled_total",
@@ -94,6 +96,13 @@ impl Metrics {
                 get(&self.draft_accepted) as f64,
             ),
             ("cycles_total", "counter", "Target verify decodes.", get(&self.cycles) as f64),
+            (
+                "drafter_repaired_total",
+                "counter",
+                "Drafter outputs with token ids outside the vocabulary or scores that are not numbers (repaired; \
+                 verification keeps the output the target's).",
+                get(&self.repaired_lattices) as f64,
+            ),
             (
                 "tau",
                 "gauge",
