@@ -69,8 +69,10 @@ pub struct Extractor {
     ctx: Context,
     max_len: usize,
     soft_k: usize,
-    /// How chat rows are rendered (the model's own template unless the corpus says otherwise).
+    /// How chat rows are rendered (the model's own template unless the corpus says otherwise),
+    /// compiled at the first chat row (a corpus of plain text needs none).
     template: TemplateChoice,
+    compiled: std::sync::OnceLock<ChatTemplate>,
 }
 
 impl Extractor {
@@ -104,7 +106,7 @@ impl Extractor {
         if soft_k > target.n_vocab() {
             bail!("--soft-k {soft_k}: the target's vocabulary has {} tokens", target.n_vocab());
         }
-        Ok(Self { target, mask_token, ctx, max_len, soft_k, template })
+        Ok(Self { target, mask_token, ctx, max_len, soft_k, template, compiled: std::sync::OnceLock::new() })
     }
 
     pub fn dataset(&self) -> Dataset {
@@ -130,7 +132,13 @@ impl Extractor {
             Conversation::Chat { prompt, answer } => {
                 let user = ChatMessage { role: "user".into(), content: prompt.clone() };
                 let assistant = ChatMessage { role: "assistant".into(), content: answer.clone() };
-                let template = ChatTemplate::new(&self.target, &self.template)?;
+                let template = match self.compiled.get() {
+                    Some(t) => t,
+                    None => {
+                        let t = ChatTemplate::new(&self.target, &self.template)?;
+                        self.compiled.get_or_init(|| t)
+                    }
+                };
                 let prefix = template.render(std::slice::from_ref(&user), true)?;
                 let full = template.render(&[user, assistant], false)?;
                 let prefix = self.target.tokenize(&prefix, true, true)?;

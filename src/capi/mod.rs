@@ -117,6 +117,8 @@ pub type TextCallback = Option<unsafe extern "C" fn(text: *const c_char, len: us
 /// `dflash2_engine`: the loaded models and the settings every session starts from.
 pub struct EngineHandle {
     target: Arc<Model>,
+    /// The target's chat template, compiled at the first call that renders one.
+    template: std::sync::OnceLock<std::result::Result<ChatTemplate, String>>,
     drafter: Option<Arc<Model>>,
     config: EngineConfig,
     /// `block` 0 here: the drafter's trained block, resolved per session.
@@ -484,7 +486,7 @@ pub unsafe extern "C" fn dflash2_engine_new(params: *const CEngineParams, out: *
         *out = std::ptr::null_mut();
         let (config, opts) = engine_settings(non_null(params, "params")?)?;
         let (target, drafter) = Engine::load_models(&config)?;
-        *out = Box::into_raw(Box::new(EngineHandle { target, drafter, config, opts }));
+        *out = Box::into_raw(Box::new(EngineHandle { target, template: Default::default(), drafter, config, opts }));
         Ok(())
     })
 }
@@ -574,7 +576,11 @@ pub unsafe extern "C" fn dflash2_apply_chat_template(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let template = ChatTemplate::new(&e.target, &TemplateChoice::Model)?;
+        let template = e
+            .template
+            .get_or_init(|| ChatTemplate::new(&e.target, &TemplateChoice::Model).map_err(|err| err.to_string()))
+            .as_ref()
+            .or_else(|message| err(Status::Template, message.clone()))?;
         copy_text(&template.render(&msgs, add_assistant)?, buf, len)
     })
 }
