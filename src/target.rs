@@ -55,6 +55,10 @@ pub struct Probe {
     pub checks: Vec<BatchCheck>,
     /// Median wall time of one single-token step (a plain decoding step).
     pub single_ms: f64,
+    /// Whether single steps at half the threads gave the same numbers (the engine moves
+    /// between the two when the machine is busy); None when there is one thread.
+    #[serde(default)]
+    pub threads_identical: Option<bool>,
     /// Wall time of the whole probe.
     pub ms: f64,
 }
@@ -111,6 +115,8 @@ pub fn probe(
         n_seq_max: 1,
         features: FeatureSource::None,
         kv_unified: true,
+        // timed and compared as configured
+        adapt_threads: false,
         ..params.clone()
     };
     let mut ctx = Context::new(model.clone(), &params, None)?;
@@ -130,6 +136,25 @@ pub fn probe(
         single.push(ctx.logits(0)?.to_vec());
     }
     single_ms.sort_by(f64::total_cmp);
+    let threads_identical = if params.n_threads > 1 {
+        let half = ContextParams { n_threads: (params.n_threads / 2).max(1), ..params.clone() };
+        let mut other = Context::new(model.clone(), &half, None)?;
+        let mut b = Batch::tokens(PREFIX, 1);
+        for (i, &t) in tokens[..PREFIX].iter().enumerate() {
+            b.add_token(t, i as i32, &[0], i + 1 == PREFIX)?;
+        }
+        other.decode(&b, "probe prefix")?;
+        let mut same = true;
+        for (i, &t) in tokens[PREFIX..].iter().enumerate() {
+            b.clear();
+            b.add_token(t, (PREFIX + i) as i32, &[0], true)?;
+            other.decode(&b, "probe single step")?;
+            same &= other.logits(0)?.iter().zip(&single[i]).all(|(x, y)| x.to_bits() == y.to_bits());
+        }
+        Some(same)
+    } else {
+        None
+    };
     let mut checks = Vec::new();
     for &b in batches {
         let start = PREFIX + n_ref - b;
@@ -160,7 +185,7 @@ pub fn probe(
     }
     let repack = model.repacked();
     let single_ms = single_ms[single_ms.len() / 2];
-    Ok(Probe { repack, checks, single_ms, ms: started.elapsed().as_secs_f64() * 1e3 })
+    Ok(Probe { repack, checks, single_ms, threads_identical, ms: started.elapsed().as_secs_f64() * 1e3 })
 }
 
 /// `n` ordinary tokens of code-like text (what speculative decoding mostly verifies).
@@ -210,6 +235,16 @@ pub fn load_target(
             load(choice.repack)?
         }
     };
+    if choice.probes.iter().any(|p| p.threads_identical == Some(false)) {
+        // moving between thread counts would change the target's numbers: keep them fixed
+        model.keep_thread_count();
+        tracing::info!(
+            "target {}: {} threads and half as many round differently here: decodes keep {}",
+            path.display(),
+            params.n_threads,
+            params.n_threads
+        );
+    }
     if choice.lossless {
         tracing::info!("target {}: {}", path.display(), choice.reason);
     } else {
@@ -352,7 +387,7 @@ mod tests {
     fn probe(repack: bool, identical: bool) -> Probe {
         let check =
             |batch| BatchCheck { batch, identical, max_abs_diff: if identical { 0.0 } else { 0.5 }, argmax_flips: 0, ms: 1.0 };
-        Probe { repack, checks: LOAD_PROBE_BATCHES.iter().map(|&b| check(b)).collect(), single_ms: 1.0, ms: 1.0 }
+        Probe { repack, checks: LOAD_PROBE_BATCHES.iter().map(|&b| check(b)).collect(), single_ms: 1.0, threads_identical: None, ms: 1.0 }
     }
 
     /// `loads` records each load; `differs(repack)` says whether that layout's batches differ.

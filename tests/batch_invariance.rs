@@ -117,3 +117,40 @@ fn verify_batches_reproduce_single_token_steps_past_256_cells() {
         assert!(tail_logits(&model, &tokens, 24, chunk) == single, "a batch of {chunk} rounds differently");
     }
 }
+
+/// The engine moves a context between thread counts when the machine gets busy
+/// (`src/llama/threads.rs`): that must never change a number. Single steps and a verify batch
+/// at 1 and at 2 threads, bit for bit, on both real targets as loaded.
+#[test]
+fn logits_do_not_depend_on_the_thread_count() {
+    for file in [common::SMOLLM2, common::QWEN_05B] {
+        let base = engine_params(2, CacheType::F16);
+        let (model, _) = load_target(&common::real_model(file), 999, Repack::Auto, &base).unwrap();
+        let tokens = model.tokenize("def mean(xs):\n    return sum(xs) / len(xs)\n\nprint(mean([1, 2, 3]))", false, false).unwrap();
+        let run = |threads: i32| -> Vec<Vec<f32>> {
+            let params = ContextParams { n_threads: threads, adapt_threads: false, n_ctx: 256, n_batch: 64, ..base.clone() };
+            let mut ctx = Context::new(model.clone(), &params, None).unwrap();
+            let mut out = Vec::new();
+            let mut batch = Batch::tokens(64, 1);
+            let (head, tail) = tokens.split_at(tokens.len() - 8);
+            for (i, &t) in head.iter().enumerate() {
+                batch.clear();
+                batch.add_token(t, i as i32, &[0], true).unwrap();
+                ctx.decode(&batch, "single").unwrap();
+                out.push(ctx.logits(0).unwrap().to_vec());
+            }
+            batch.clear();
+            for (i, &t) in tail.iter().enumerate() {
+                batch.add_token(t, (head.len() + i) as i32, &[0], true).unwrap();
+            }
+            ctx.decode(&batch, "batch").unwrap();
+            out.extend((0..tail.len()).map(|r| ctx.logits(r).unwrap().to_vec()));
+            out
+        };
+        let (one, two) = (run(1), run(2));
+        for (row, (a, b)) in one.iter().zip(&two).enumerate() {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{file}: row {row} differs between 1 and 2 threads");
+        }
+    }
+}

@@ -247,7 +247,8 @@ pub struct ModelArgs {
     /// DFlash / DFlash 2 drafter (GGUF); without it decoding is plain.
     #[arg(short = 'd', long = "drafter")]
     pub drafter: Option<std::path::PathBuf>,
-    /// CPU threads.
+    /// CPU threads, at most: a decode runs on half as many while other processes leave no room
+    /// for the full team, which is then faster (llama.cpp's OpenMP team spins at every barrier).
     #[arg(short = 't', long = "threads", default_value_t = crate::engine::default_threads())]
     pub threads: i32,
     /// Context size in tokens.

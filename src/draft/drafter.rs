@@ -72,6 +72,7 @@ impl Drafter {
             flash_attn: true,
             cache_k,
             cache_v,
+            adapt_threads: true,
         };
         let feature_width = n_layers * target.model().n_embd();
         let mut ctx = Context::new(model, &params, Some(target))?;

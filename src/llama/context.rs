@@ -115,6 +115,9 @@ pub struct ContextParams {
     /// Element types of the K and V caches. llama.cpp quantizes V only with flash attention.
     pub cache_k: CacheType,
     pub cache_v: CacheType,
+    /// Let each decode run with fewer threads when the machine is busy and that is faster
+    /// ([`super::threads`]); off for measurements that must run as configured.
+    pub adapt_threads: bool,
 }
 
 impl Default for ContextParams {
@@ -131,6 +134,7 @@ impl Default for ContextParams {
             flash_attn: false,
             cache_k: CacheType::F16,
             cache_v: CacheType::F16,
+            adapt_threads: true,
         }
     }
 }
@@ -233,6 +237,10 @@ pub struct Context {
     n_ubatch: usize,
     /// Rows of the last decoded batch (the rows that features and logits refer to).
     last_batch_len: usize,
+    /// Chooses each decode's thread count from measured times (None: one thread, or a
+    /// frontend's context, whose threads are its own).
+    governor: Option<super::threads::ThreadGovernor>,
+    threads: i32,
 }
 
 
@@ -304,6 +312,11 @@ impl Context {
         let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) } as usize;
         let n_batch = unsafe { sys::llama_n_batch(ptr.as_ptr()) } as usize;
         let h = Arc::new(Handle { ptr, capture, _other: other.map(|o| o.h.clone()), _model: model.clone(), owned: true });
+        let governor = if params.adapt_threads && !model.keeps_thread_count() {
+            super::threads::ThreadGovernor::for_machine(params.n_threads)
+        } else {
+            None
+        };
         Ok(Self {
             h,
             kv_unified: params.kv_unified,
@@ -314,6 +327,8 @@ impl Context {
             n_batch,
             n_ubatch: n_batch,
             last_batch_len: 0,
+            governor,
+            threads: params.n_threads,
         })
     }
 
@@ -352,7 +367,7 @@ impl Context {
         let n_seq_max = (sys::llama_n_seq_max(ptr.as_ptr()) as usize).max(1);
         let kv_unified = sys::llama_n_ctx_seq(ptr.as_ptr()) as usize >= n_ctx;
         let h = Arc::new(Handle { ptr, capture, _other: None, _model: model.clone(), owned: false });
-        Ok(Self { h, kv_unified, n_seq_max, model, features, n_ctx, n_batch, n_ubatch, last_batch_len: 0 })
+        Ok(Self { h, kv_unified, n_seq_max, model, features, n_ctx, n_batch, n_ubatch, last_batch_len: 0, governor: None, threads: 0 })
     }
 
     /// A frontend decoded a batch of `rows` rows on this context: its features are the ones
@@ -404,6 +419,8 @@ impl Context {
             n_batch: self.n_batch,
             n_ubatch: self.n_ubatch,
             last_batch_len: 0,
+            governor: None,
+            threads: self.threads,
         }
     }
 
@@ -433,6 +450,11 @@ impl Context {
         self.n_batch
     }
 
+    /// Threads the last decode ran with (0 for a frontend's context).
+    pub fn threads(&self) -> i32 {
+        self.threads
+    }
+
     pub fn set_causal_attn(&mut self, causal: bool) {
         unsafe { sys::llama_set_causal_attn(self.ptr(), causal) }
     }
@@ -447,6 +469,13 @@ impl Context {
             return Ok(());
         }
         self.forget_captured();
+        let threads = self.governor.as_mut().map(|g| g.threads_for(batch.len()));
+        if let Some(t) = threads.filter(|&t| t != self.threads) {
+            tracing::debug!("{}: {} rows on {t} threads (was {})", self.model.path(), batch.len(), self.threads);
+            unsafe { sys::llama_set_n_threads(self.ptr(), t, t) };
+            self.threads = t;
+        }
+        let started = std::time::Instant::now();
         let code = unsafe { sys::llama_decode(self.ptr(), batch.raw()) };
         if code != 0 {
             return Err(LlamaError::Decode { code, what });
@@ -454,6 +483,11 @@ impl Context {
         // A GPU backend returns before the work is done: wait, so that the clock a caller
         // stops after this call times the decode itself (a no-op on the CPU).
         unsafe { sys::llama_synchronize(self.ptr()) };
+        if let (Some(g), Some(t)) = (self.governor.as_mut(), threads) {
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            tracing::trace!("{} rows on {t} threads: {ms:.2} ms", batch.len());
+            g.record(batch.len(), t, ms);
+        }
         self.observe(batch.len())
     }
 

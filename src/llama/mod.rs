@@ -13,6 +13,7 @@ mod grammar;
 mod model;
 mod sampler;
 mod shim;
+mod threads;
 mod upstream;
 
 pub use batch::Batch;

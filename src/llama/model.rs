@@ -47,6 +47,8 @@ pub struct Model {
     n_gpu_layers: i32,
     /// False for a frontend's model ([`Model::borrow_raw`]): it frees its own.
     owned: bool,
+    /// Its numbers depend on the thread count on this machine: contexts keep theirs.
+    fixed_threads: std::sync::atomic::AtomicBool,
 }
 
 // llama.cpp models are immutable after loading and safe to share between threads.
@@ -75,7 +77,7 @@ impl Model {
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
-        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers, owned: true })
+        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default() })
     }
 
     /// A model a frontend loaded and keeps: used, never freed, here.
@@ -90,7 +92,17 @@ impl Model {
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::Invalid(format!("{name} has no vocabulary")))?;
         // Offload is the frontend's; only the drafter's own context reads this (0 = CPU).
-        Ok(Self { ptr, vocab, path: name.to_string(), repacked: false, n_gpu_layers: -1, owned: false })
+        Ok(Self { ptr, vocab, path: name.to_string(), repacked: false, n_gpu_layers: -1, owned: false, fixed_threads: Default::default() })
+    }
+
+    /// Contexts of this model keep their thread count (the probe found that it changes the
+    /// numbers here); see `threads.rs`.
+    pub fn keep_thread_count(&self) {
+        self.fixed_threads.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn keeps_thread_count(&self) -> bool {
+        self.fixed_threads.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether this is the llama.cpp model behind `ptr`.
