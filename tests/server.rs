@@ -1238,3 +1238,36 @@ fn a_soak_of_mixed_and_misbehaving_clients_loses_nothing() {
         assert_eq!(&alone["tokens"], tokens, "{body} differs from plain decoding");
     }
 }
+
+/// Both slots run into the end of their context at once: each answer ends with
+/// `finish_reason: "length"` (OpenAI's word for a cut-off answer), both slots are free after,
+/// and the next request is served.
+#[test]
+fn a_full_context_on_every_slot_ends_with_length_and_frees_the_slots() {
+    let d = drafter();
+    let server = Server::start("ctx-full", &["-d", &d, "-np", "2", "-c", "512", "--block", "4"]);
+    let prompt: Vec<u32> = (0..200).map(|i| 10 + (i * 7) % 200).collect();
+    let body = json!({ "prompt": prompt, "max_tokens": 250, "temperature": 0 }).to_string();
+    let url = format!("{}/v1/completions", server.base);
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new("curl")
+                .args(["-s", "--noproxy", "*", "--max-time", "120", "-X", "POST", "-d", &body, &url])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in clients {
+        let out = c.wait_with_output().unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        let n = v["usage"]["completion_tokens"].as_u64().unwrap();
+        // the slot holds 256 cells; the last token is sampled from the last cell and never decoded
+        assert!(n < 250 && v["usage"]["prompt_tokens"].as_u64().unwrap() + n <= 257, "{v}");
+    }
+    server.wait_idle();
+    assert_eq!(server.metric("requests_failed_total"), 0.0);
+    let ok = server.post_ok("/v1/completions", json!({ "prompt": "hi", "max_tokens": 2 }));
+    assert_eq!(ok["usage"]["completion_tokens"], 2);
+}
