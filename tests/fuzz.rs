@@ -329,3 +329,132 @@ fn http_bodies_mutated_get_answers_or_openai_errors_and_the_server_keeps_serving
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+// ---- the C ABI --------------------------------------------------------------------------------
+
+mod c_abi {
+    use super::*;
+    use dflash2::capi::*;
+    use std::ffi::{c_char, c_int, c_void, CString};
+    use std::ptr::{null, null_mut};
+
+    unsafe extern "C" fn stop_sometimes(_: *const c_char, len: usize, user: *mut c_void) -> c_int {
+        let calls = &mut *(user as *mut usize);
+        *calls += 1;
+        c_int::from(len % 3 == 0 || *calls > 40)
+    }
+
+    /// Random sequences of engine and session calls with random (valid or NULL) pointers and
+    /// random values, on the synthetic models: each call returns a status, never a panic.
+    #[test]
+    fn random_call_sequences_get_statuses_never_a_crash() {
+        let target = CString::new(models().join("target.gguf").to_str().unwrap()).unwrap();
+        let drafter = CString::new(models().join("drafter-dflash2.gguf").to_str().unwrap()).unwrap();
+        let mut p = std::mem::MaybeUninit::<CEngineParams>::uninit();
+        let mut engine = null_mut();
+        unsafe {
+            assert_eq!(dflash2_engine_params_init(p.as_mut_ptr()), Status::Ok);
+            let mut p = p.assume_init();
+            p.target_path = target.as_ptr();
+            p.drafter_path = drafter.as_ptr();
+            p.n_ctx = 256;
+            p.n_threads = 1;
+            p.block_size = 4;
+            assert_eq!(dflash2_engine_new(&p, &mut engine), Status::Ok, "{}", super::last_error());
+        }
+        let mut r = rng(0xCAB1);
+        let mut sessions: Vec<*mut SessionHandle> = Vec::new();
+        let mut by_status = std::collections::BTreeMap::<i32, usize>::new();
+        let mut buf_tokens = vec![0i32; 64];
+        let mut buf_text = vec![0 as c_char; 256];
+        for _ in 0..iters(1500) {
+            let session = match sessions.len() {
+                0 => null_mut(),
+                n if r.gen_bool(0.95) => sessions[r.gen_range(0..n)],
+                _ => null_mut(),
+            };
+            let tokens: Vec<i32> = (0..r.gen_range(0..40)).map(|_| if r.gen_bool(0.9) { r.gen_range(0..300) } else { r.gen() }).collect();
+            let (mut n, mut finish) = (0usize, 0i32);
+            let cap = [0usize, 1, 3, 64][r.gen_range(0..4)];
+            let status = unsafe {
+                match r.gen_range(0..11) {
+                    0 if sessions.len() < 4 => {
+                        let mut s = null_mut();
+                        let st = dflash2_session_new(engine, &mut s);
+                        if st == Status::Ok {
+                            sessions.push(s);
+                        }
+                        st
+                    }
+                    1 if !sessions.is_empty() && r.gen_bool(0.3) => {
+                        let s = sessions.swap_remove(r.gen_range(0..sessions.len()));
+                        dflash2_session_free(s);
+                        Status::Ok
+                    }
+                    2 | 3 => dflash2_session_feed(
+                        session,
+                        if r.gen_bool(0.9) { tokens.as_ptr() } else { null() },
+                        tokens.len(),
+                        [0u32, 1, 8, 40, 100_000][r.gen_range(0..5)],
+                    ),
+                    4 | 5 => dflash2_session_step(
+                        session,
+                        if cap > 0 && r.gen_bool(0.9) { buf_tokens.as_mut_ptr() } else { null_mut() },
+                        cap,
+                        &mut n,
+                        &mut finish,
+                    ),
+                    6 => {
+                        let mut calls = 0usize;
+                        let cb = if r.gen_bool(0.9) { Some(stop_sometimes as _) } else { None };
+                        dflash2_session_generate(session, cb, (&mut calls as *mut usize).cast())
+                    }
+                    7 => {
+                        let mut st = std::mem::MaybeUninit::<CStats>::uninit();
+                        dflash2_session_stats(session, st.as_mut_ptr())
+                    }
+                    8 => dflash2_session_reset(session),
+                    9 => {
+                        let bytes: Vec<u8> = (0..r.gen_range(0..50)).map(|_| r.gen()).collect();
+                        dflash2_tokenize(
+                            engine,
+                            bytes.as_ptr().cast(),
+                            bytes.len(),
+                            r.gen(),
+                            r.gen(),
+                            buf_tokens.as_mut_ptr(),
+                            cap,
+                            &mut n,
+                        )
+                    }
+                    _ => dflash2_detokenize(
+                        engine,
+                        if r.gen_bool(0.9) { tokens.as_ptr() } else { null() },
+                        tokens.len(),
+                        r.gen(),
+                        buf_text.as_mut_ptr(),
+                        cap * 4,
+                        &mut n,
+                    ),
+                }
+            };
+            assert_ne!(status, Status::Panic, "a call panicked: {}", super::last_error());
+            if status != Status::Ok {
+                assert!(!super::last_error().is_empty(), "status {status:?} without a message");
+            }
+            *by_status.entry(status as i32).or_default() += 1;
+        }
+        eprintln!("C ABI statuses: {by_status:?}");
+        assert!(by_status.len() >= 4, "the calls should meet several kinds of refusal: {by_status:?}");
+        unsafe {
+            for s in sessions {
+                dflash2_session_free(s);
+            }
+            dflash2_engine_free(engine);
+        }
+    }
+}
+
+fn last_error() -> String {
+    unsafe { std::ffi::CStr::from_ptr(dflash2::capi::dflash2_last_error()) }.to_string_lossy().into_owned()
+}
