@@ -626,7 +626,7 @@ fn a_tree_verified_with_one_sequence_per_leaf_gives_the_plain_tokens() {
             d
         };
         let mut tb = sys::llama_batch_init(n_nodes as i32 + 1, 0, 16);
-        let mut put = |row: usize, token: i32, p: i32, seqs: &[i32]| {
+        let put = |row: usize, token: i32, p: i32, seqs: &[i32]| {
             *tb.token.add(row) = token;
             *tb.pos.add(row) = p;
             *tb.n_seq_id.add(row) = seqs.len() as i32;
