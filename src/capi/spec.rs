@@ -1,7 +1,7 @@
 //! The frontend ABI (`dflash2_spec_*` in `ffi/dflash2.h`): a DFlash 2 speculator attached to
 //! a llama.cpp frontend's own model and context, over [`Speculator`]. Same rules as the
 //! engine ABI: validated arguments, a status and a message, no panic across.
-use super::{check_tokens, err, guard, non_null, out_buf, out_ptr, select_mode, slice, Error, Result, Status};
+use super::{check_tokens, err, free_handle, guard, non_null, out_buf, out_ptr, select_mode, slice, Error, Result, Status};
 use crate::llama::{Capture, Context, FeatureSource, ForeignChain, LlamaError, Model};
 use crate::speculator::{check_drafter_for, load_drafter_for, BatchRow, SpecError, SpecOptions, Speculator};
 use llama_cpp_sys_2 as sys;
@@ -99,6 +99,16 @@ fn path_arg<'a>(p: *const c_char, name: &str) -> Result<&'a Path> {
     Ok(Path::new(super::c_str(p, name)?))
 }
 
+/// A count, position or index the header declares signed: negative is an argument error naming it.
+fn non_negative(v: i32, name: &str) -> Result<usize> {
+    usize::try_from(v).or_else(|_| err(Status::InvalidArg, format!("{name} is {v}")))
+}
+
+/// Batch-row indices from the caller, each non-negative.
+fn row_indices(rows: &[i32]) -> Result<Vec<usize>> {
+    rows.iter().map(|&r| non_negative(r, "a row")).collect()
+}
+
 /// The target model behind a frontend's pointer (used, never freed).
 unsafe fn attach_model(target: *mut sys::llama_model) -> Result<Arc<Model>> {
     if target.is_null() {
@@ -185,9 +195,8 @@ pub unsafe extern "C" fn dflash2_spec_capture_new(
 /// See `dflash2_spec_capture_free` in `ffi/dflash2.h`.
 #[no_mangle]
 pub unsafe extern "C" fn dflash2_spec_capture_free(capture: *mut SpecCaptureHandle) {
-    if !capture.is_null() {
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(Box::from_raw(capture))));
-    }
+    // SAFETY: made by Box::into_raw in dflash2_spec_capture_new, freed once (header contract).
+    unsafe { free_handle(capture) }
 }
 
 /// # Safety
@@ -263,9 +272,8 @@ pub unsafe extern "C" fn dflash2_spec_init(
 /// See `dflash2_spec_free` in `ffi/dflash2.h`.
 #[no_mangle]
 pub unsafe extern "C" fn dflash2_spec_free(spec: *mut SpecHandle) {
-    if !spec.is_null() {
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(Box::from_raw(spec))));
-    }
+    // SAFETY: made by Box::into_raw in dflash2_spec_init, freed once (header contract).
+    unsafe { free_handle(spec) }
 }
 
 /// # Safety
@@ -337,13 +345,7 @@ unsafe fn batch_rows(s: &Speculator, b: &sys::llama_batch) -> Result<Vec<BatchRo
         (0..n).map(|i| BatchRow { pos: (end + 1) as usize - n + i, seqs: seqs(i) }).collect()
     } else {
         (0..n)
-            .map(|i| {
-                let pos = *b.pos.add(i);
-                usize::try_from(pos).map(|pos| BatchRow { pos, seqs: seqs(i) }).map_err(|_| Error {
-                    status: Status::InvalidArg,
-                    message: format!("batch.pos[{i}] is {pos}"),
-                })
-            })
+            .map(|i| Ok(BatchRow { pos: non_negative(*b.pos.add(i), &format!("batch.pos[{i}]"))?, seqs: seqs(i) }))
             .collect::<Result<_>>()?
     };
     Ok(rows)
@@ -377,8 +379,8 @@ pub unsafe extern "C" fn dflash2_spec_process(spec: *mut SpecHandle, batch: *con
 pub unsafe extern "C" fn dflash2_spec_feed(spec: *mut SpecHandle, seq: i32, pos0: i32, n: i32, rows: *const f32) -> Status {
     guard(|| {
         let mut s = lock(spec)?;
-        let pos0 = usize::try_from(pos0).or_else(|_| err(Status::InvalidArg, format!("pos0 is {pos0}")))?;
-        let n = usize::try_from(n).or_else(|_| err(Status::InvalidArg, format!("n is {n}")))?;
+        let pos0 = non_negative(pos0, "pos0")?;
+        let n = non_negative(n, "n")?;
         let width = s.feature_width();
         let rows = slice(rows, n * width, "rows", "n")?;
         Ok(s.feed(seq, pos0, rows)?)
@@ -433,7 +435,7 @@ unsafe fn draft_into(
         *n_out = 0;
         let mut s = lock(spec)?;
         check_tokens(s.target().model(), &[last])?;
-        let pos = usize::try_from(pos).or_else(|_| err(Status::InvalidArg, format!("pos is {pos}")))?;
+        let pos = non_negative(pos, "pos")?;
         let tokens = out_buf(tokens, capacity, "tokens")?;
         let mut parents = if tree { Some(out_buf(parents, capacity, "parents")?) } else { None };
         if capacity == 0 {
@@ -460,7 +462,7 @@ unsafe fn draft_into(
 #[no_mangle]
 pub unsafe extern "C" fn dflash2_spec_accept(spec: *mut SpecHandle, seq: i32, n_accepted: i32) -> Status {
     guard(|| {
-        let n = usize::try_from(n_accepted).or_else(|_| err(Status::InvalidArg, format!("n_accepted is {n_accepted}")))?;
+        let n = non_negative(n_accepted, "n_accepted")?;
         Ok(lock(spec)?.accept(seq, n)?)
     })
 }
@@ -470,10 +472,9 @@ pub unsafe extern "C" fn dflash2_spec_accept(spec: *mut SpecHandle, seq: i32, n_
 #[no_mangle]
 pub unsafe extern "C" fn dflash2_spec_accept_rows(spec: *mut SpecHandle, seq: i32, rows: *const i32, n: i32) -> Status {
     guard(|| {
-        let n = usize::try_from(n).or_else(|_| err(Status::InvalidArg, format!("n is {n}")))?;
+        let n = non_negative(n, "n")?;
         let rows = slice(rows, n, "rows", "n")?;
-        let rows: Vec<usize> =
-            rows.iter().map(|&r| usize::try_from(r).or_else(|_| err(Status::InvalidArg, format!("row {r}")))).collect::<Result<_>>()?;
+        let rows = row_indices(rows)?;
         Ok(lock(spec)?.accept_rows(seq, &rows)?)
     })
 }
@@ -483,7 +484,7 @@ pub unsafe extern "C" fn dflash2_spec_accept_rows(spec: *mut SpecHandle, seq: i3
 #[no_mangle]
 pub unsafe extern "C" fn dflash2_spec_report_verify(spec: *mut SpecHandle, n_tokens: i32, ms: f64) -> Status {
     guard(|| {
-        let n = usize::try_from(n_tokens).or_else(|_| err(Status::InvalidArg, format!("n_tokens is {n_tokens}")))?;
+        let n = non_negative(n_tokens, "n_tokens")?;
         Ok(lock(spec)?.report_verify(n, ms)?)
     })
 }
@@ -567,12 +568,9 @@ unsafe fn verify_into(
         if chain.is_null() {
             return err(Status::NullArg, "chain is NULL");
         }
-        let n_rows = usize::try_from(n_rows).or_else(|_| err(Status::InvalidArg, format!("n_rows is {n_rows}")))?;
+        let n_rows = non_negative(n_rows, "n_rows")?;
         let rows = slice(rows, n_rows, "rows", "n_rows")?;
-        let rows: Vec<usize> = rows
-            .iter()
-            .map(|&r| usize::try_from(r).or_else(|_| err(Status::InvalidArg, format!("row {r}"))))
-            .collect::<Result<_>>()?;
+        let rows = row_indices(rows)?;
         let out = out_buf(out, capacity, "out")?;
         if out.len() < rows.len() {
             *n_out = rows.len();
