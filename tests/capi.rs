@@ -30,21 +30,6 @@ fn ffi_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("ffi")
 }
 
-/// The directory holding the cdylib and staticlib cargo built with this test: the nearest
-/// ancestor of the test executable that has both (target/<profile>/deps, where cargo writes
-/// them before linking them up into target/<profile>), whatever the target dir is called.
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let shared = if cfg!(target_os = "macos") { "libdflash2.dylib" } else { "libdflash2.so" };
-    exe.ancestors()
-        .skip(1)
-        .find(|d| d.join(shared).is_file() && d.join("libdflash2.a").is_file())
-        .unwrap_or_else(|| {
-            panic!("no {shared} and libdflash2.a above {}: build with `cargo build --release`", exe.display())
-        })
-        .to_path_buf()
-}
-
 fn tool(env: &str, default: &str) -> String {
     std::env::var(env).unwrap_or_else(|_| default.to_string())
 }
@@ -223,7 +208,7 @@ fn engine_reply(prompt: &str, n_predict: usize) -> String {
 #[test]
 fn stream_example_builds_shared_and_static_and_reproduces_the_engine() {
     let dir = common::scratch_dir("capi-stream");
-    let libdir = lib_dir();
+    let libdir = common::lib_dir();
     let example = ffi_dir().join("examples/stream.c");
     let (prompt, n) = ("Tell me about the sea.", 20);
     let expected = engine_reply(prompt, n) + "\n";

@@ -37,16 +37,6 @@ fn qwen_drafter() -> PathBuf {
     dir.join("drafter-dflash2.gguf")
 }
 
-/// The directory holding libdflash2.a built with this test (see tests/capi.rs).
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.ancestors()
-        .skip(1)
-        .find(|d| d.join("libdflash2.a").is_file())
-        .unwrap_or_else(|| panic!("no libdflash2.a above {}: build with `cargo build --release`", exe.display()))
-        .to_path_buf()
-}
-
 /// ffi/examples/frontend.c, compiled against the llama.h of this build and linked with
 /// libdflash2.a (which carries the one llama.cpp both sides use).
 fn frontend() -> &'static Path {
@@ -60,7 +50,7 @@ fn frontend() -> &'static Path {
             .arg(ffi.join("examples/frontend.c"))
             .arg(format!("-I{}", ffi.display()))
             .arg(format!("-I{}", env!("DFLASH2_LLAMA_INCLUDE")))
-            .arg(lib_dir().join("libdflash2.a"))
+            .arg(common::lib_dir().join("libdflash2.a"))
             .args(["-lstdc++", "-lgomp", "-lm", "-lpthread", "-ldl", "-o"])
             .arg(&exe)
             .output()

@@ -106,3 +106,18 @@ pub fn same_distribution(n_positions: usize, a: &[Vec<i32>], b: &[Vec<i32>]) -> 
     }
     Ok(())
 }
+
+/// The directory holding the cdylib and staticlib cargo built with this test: the nearest
+/// ancestor of the test executable that has both (target/<profile>/deps, where cargo writes
+/// them before linking them up into target/<profile>), whatever the target dir is called.
+pub fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let shared = if cfg!(target_os = "macos") { "libdflash2.dylib" } else { "libdflash2.so" };
+    exe.ancestors()
+        .skip(1)
+        .find(|d| d.join(shared).is_file() && d.join("libdflash2.a").is_file())
+        .unwrap_or_else(|| {
+            panic!("no {shared} and libdflash2.a above {}: build with `cargo build --release`", exe.display())
+        })
+        .to_path_buf()
+}
