@@ -1048,6 +1048,85 @@ fn a_full_queue_answers_503_and_clients_that_leave_free_their_slot() {
     assert_eq!(ok["usage"]["completion_tokens"], 2);
 }
 
+/// `GET /slots` shows each slot as llama-server does: the task it took, that request's settings
+/// and how far it got; `?fail_on_no_slot=1` answers 503 while every slot is busy, and `--no-slots`
+/// turns the route off (501). `/v1/chat/completions/input_tokens` counts a chat request's prompt.
+#[test]
+fn slots_show_each_request_and_input_tokens_count_the_prompt() {
+    let d = drafter();
+    let server = Server::start("slots", &["-d", &d, "--parallel", "2", "-c", "8192", "--block", "4"]);
+    let slots = |query: &str| -> Vec<Value> {
+        let (code, text) = server.get(&format!("/slots{query}"));
+        assert_eq!(code, 200, "{text}");
+        serde_json::from_str(&text).unwrap()
+    };
+    let idle = slots("");
+    assert_eq!(idle.len(), 2, "{idle:?}");
+    for (i, s) in idle.iter().enumerate() {
+        assert_eq!((s["id"].as_u64(), s["id_task"].as_i64(), s["is_processing"].as_bool()), (Some(i as u64), Some(-1), Some(false)), "{s}");
+        assert_eq!((s["n_ctx"].as_u64(), s["speculative"].as_bool()), (Some(4096), Some(true)), "{s}");
+        assert_eq!(s["next_token"]["n_decoded"], 0, "{s}");
+        assert!(s["params"]["temperature"].is_number() && s["params"]["samplers"].is_array(), "{s}");
+    }
+
+    // A finished request leaves its settings and its count in its slot.
+    let body = json!({ "prompt": "Once upon a time", "n_predict": 7, "temperature": 0.5, "seed": 11, "top_k": 5, "stop": ["zzz"] });
+    let v = server.post_ok("/completion", body);
+    let used: Vec<Value> = slots("").into_iter().filter(|s| s["id_task"] != -1).collect();
+    assert_eq!(used.len(), 1, "{used:?}");
+    let (s, p) = (&used[0], &used[0]["params"]);
+    assert_eq!((s["id_task"].as_i64(), s["is_processing"].as_bool()), (Some(0), Some(false)), "{s}");
+    assert_eq!(s["next_token"]["n_decoded"], v["tokens_predicted"], "{s}");
+    assert_eq!((p["n_predict"].as_i64(), p["temperature"].as_f64(), p["seed"].as_u64(), p["top_k"].as_i64()), (Some(7), Some(0.5), Some(11), Some(5)), "{p}");
+    assert_eq!((&p["stop"], &p["speculative.n_max"]), (&json!(["zzz"]), &json!(3)), "{p}");
+
+    // Two long requests take both slots: /slots shows them running.
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 4000, "stream": true }).to_string();
+    let url = format!("{}/v1/completions", server.base);
+    let mut holds: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new("curl")
+                .args(["-sN", "--noproxy", "*", "--max-time", "60", "-X", "POST", "-d", &long, &url])
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !slots("").iter().all(|s| s["is_processing"] == true && s["next_token"]["n_decoded"].as_u64() > Some(0)) {
+        assert!(Instant::now() < deadline, "the slots never both ran: {:?}", slots(""));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, text) = server.get("/slots?fail_on_no_slot=1");
+    assert_eq!(code, 503, "{text}");
+    let running = slots("");
+    let mut tasks: Vec<i64> = running.iter().map(|s| s["id_task"].as_i64().unwrap()).collect();
+    tasks.sort();
+    assert_eq!(tasks, [1, 2], "{running:?}");
+    assert!(running.iter().all(|s| s["params"]["n_predict"] == 4000 && s["next_token"]["has_next_token"] == true), "{running:?}");
+    for c in &mut holds {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    server.wait_idle();
+    assert!(slots("?fail_on_no_slot=1").iter().all(|s| s["is_processing"] == false));
+
+    // The prompt a chat request decodes, counted.
+    let messages = json!([{ "role": "system", "content": "Be brief." }, { "role": "user", "content": "hi" }]);
+    let count = server.post_ok("/v1/chat/completions/input_tokens", json!({ "messages": messages }));
+    assert_eq!(count["object"], "response.input_tokens");
+    let chat = server.post_ok("/v1/chat/completions", json!({ "messages": messages, "max_tokens": 2 }));
+    assert_eq!(count["input_tokens"], chat["usage"]["prompt_tokens"], "{count}");
+    let (code, v) = server.post("/v1/chat/completions/input_tokens", r#"{"messages": []}"#);
+    assert_eq!((code, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
+    drop(server);
+
+    let off = Server::start("no-slots", &["--no-slots"]);
+    let (code, text) = off.get("/slots");
+    assert_eq!(code, 501, "{text}");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["type"], "not_supported_error");
+}
+
 /// A public server's limits: a client that stalls in its headers is cut off, one that stalls
 /// in its body gets 408, connections beyond `--max-connections` wait until one is free (and
 /// are then served), and stop strings are bounded, each refusal naming the field.

@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// (as clients configured for another server do), as with llama-server.
     #[arg(long, value_delimiter = ',')]
     pub alias: Vec<String>,
+    /// Offer `GET /slots` (the default, as llama-server's); `--no-slots` answers it 501.
+    #[arg(long, overrides_with = "no_slots")]
+    pub slots: bool,
+    #[arg(long = "no-slots", overrides_with = "slots")]
+    pub no_slots: bool,
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long = "max-body", default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -99,6 +104,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             n_predict: usize::try_from(args.n_predict).ok(),
         },
         template,
+        slots_endpoint: !args.no_slots,
     });
     anyhow::ensure!(
         args.read_timeout.is_finite() && args.read_timeout > 0.0,

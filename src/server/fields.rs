@@ -11,6 +11,9 @@ use serde_json::Value;
 const CHAIN: &str = "logit_bias, penalties (repeat, presence, frequency), top_k, top_p, min_p and temperature, \
                      in llama.cpp's default order";
 
+/// The samplers of the target law here, in their order (llama.cpp's names).
+pub const SAMPLERS: [&str; 5] = ["penalties", "top_k", "top_p", "min_p", "temperature"];
+
 /// A field, whether a value of it changes nothing, and what the value would need.
 struct Unbuilt {
     name: &'static str,
@@ -104,7 +107,7 @@ fn applied_samplers(v: &Value) -> Result<Vec<&'static str>, ApiError> {
 pub fn check_samplers(v: Option<&Value>, law: &crate::sampling::SamplingParams) -> Result<(), ApiError> {
     let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(()) };
     let applied = applied_samplers(v)?;
-    let order = ["penalties", "top_k", "top_p", "min_p", "temperature"];
+    let order = SAMPLERS;
     let in_order = applied.windows(2).all(|w| order.iter().position(|&o| o == w[0]) < order.iter().position(|&o| o == w[1]));
     let on = [
         ("penalties", law.uses_history()),

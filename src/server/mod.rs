@@ -52,6 +52,8 @@ pub struct AppState {
     pub defaults: Defaults,
     /// Renders chat messages into the prompt (the target's own Jinja template by default).
     pub template: Arc<ChatTemplate>,
+    /// `GET /slots` answers (`--slots`, the default); 501 with `--no-slots`, as llama-server.
+    pub slots_endpoint: bool,
 }
 
 impl AppState {
@@ -93,6 +95,7 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/models", get(routes::models))
         .route("/v1/chat/completions", post(routes::chat))
         .route("/chat/completions", post(routes::chat))
+        .route("/v1/chat/completions/input_tokens", post(routes::chat_input_tokens))
         .route("/v1/completions", post(routes::completions))
         .route("/completions", post(routes::completions))
         .route("/completion", post(routes::llama_completion))
@@ -101,6 +104,7 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
         .route("/props", get(routes::props))
+        .route("/slots", get(routes::slots))
         .route("/metrics", get(routes::metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), routes::require_api_key))
         .route("/health", get(routes::health))

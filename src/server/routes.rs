@@ -154,6 +154,59 @@ pub async fn props(State(s): Shared) -> Json<Props> {
     })
 }
 
+/// `GET /slots?fail_on_no_slot=1` asks for a 503 when no slot is free (llama-server's).
+#[derive(Debug, serde::Deserialize)]
+pub struct SlotsQuery {
+    #[serde(default)]
+    fail_on_no_slot: String,
+}
+
+/// `GET /slots` (llama-server's): each slot's last request, its settings and progress; 501 when
+/// the server was started with `--no-slots`.
+pub async fn slots(State(s): Shared, query: axum::extract::Query<SlotsQuery>) -> Result<Json<Vec<SlotOut>>, ApiError> {
+    if !s.slots_endpoint {
+        return Err(ApiError::Unsupported("this server does not offer the slots endpoint (started with --no-slots)".into()));
+    }
+    let states = s.scheduler.slot_states();
+    if matches!(query.fail_on_no_slot.as_str(), "1" | "true") && states.iter().all(|st| st.processing) {
+        return Err(ApiError::Busy);
+    }
+    let defaults = options(&s, SamplingFields::default(), None, "max_tokens")?;
+    let slots = states
+        .into_iter()
+        .enumerate()
+        .map(|(id, st)| {
+            let o = st.opts.unwrap_or_else(|| defaults.clone());
+            let speculative = o.select != SelectMode::None || o.lookup;
+            SlotOut {
+                id,
+                id_task: st.id_task,
+                n_ctx: s.n_ctx(),
+                speculative,
+                is_processing: st.processing,
+                next_token: NextToken {
+                    has_next_token: st.processing,
+                    has_new_line: st.has_new_line,
+                    n_remain: o.n_predict.saturating_sub(st.n_decoded) as i64,
+                    n_decoded: st.n_decoded,
+                },
+                params: SlotParams {
+                    n_predict: o.n_predict as i64,
+                    sampling: o.sampling,
+                    stop: o.stop,
+                    n_probs: o.n_probs.unwrap_or(0),
+                    grammar: o.grammar.unwrap_or_default(),
+                    samplers: super::fields::SAMPLERS,
+                    speculative_n_max: if speculative { o.block.saturating_sub(1) } else { 0 },
+                    speculative_n_min: 0,
+                    speculative_select: o.select,
+                },
+            }
+        })
+        .collect();
+    Ok(Json(slots))
+}
+
 pub async fn metrics(State(s): Shared) -> impl IntoResponse {
     let text = s.metrics.render(s.scheduler.queued(), s.scheduler.slots());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
@@ -403,6 +456,13 @@ fn stop_strings(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
 pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ApplyTemplateRequest>) -> Result<Json<PromptText>, ApiError> {
     let prompt = render_chat(&s, req.messages)?;
     Ok(Json(PromptText { prompt }))
+}
+
+/// `POST /v1/chat/completions/input_tokens` (llama-server's): how many prompt tokens a chat
+/// request's body would decode.
+pub async fn chat_input_tokens(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Json<InputTokens>, ApiError> {
+    let prompt = chat_prompt(&s, req.messages).await?;
+    Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
 }
 
 /// The prompt tokens of a chat request, rendered with the served template.

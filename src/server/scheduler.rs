@@ -13,7 +13,8 @@ use crate::engine::{self, Engine, EngineConfig, GenerateOptions, Generation, Run
 use crate::llama::{Model, Token};
 use crate::sampling::TokenProb;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use tokio::sync::mpsc;
 
@@ -80,7 +81,31 @@ pub struct SlotInfo {
 struct Job {
     req: GenRequest,
     events: mpsc::Sender<GenEvent>,
+    /// llama-server's `id_task`: requests are numbered as they are submitted.
+    id_task: i64,
 }
+
+/// What `GET /slots` shows of one slot: the last request it took and how far it got (an idle
+/// slot keeps its last request's settings, as llama-server's do).
+#[derive(Debug, Clone)]
+pub struct SlotState {
+    /// -1 before the slot's first request.
+    pub id_task: i64,
+    pub processing: bool,
+    /// The request's options (`None` before the first one).
+    pub opts: Option<GenerateOptions>,
+    pub n_decoded: usize,
+    pub has_new_line: bool,
+}
+
+impl Default for SlotState {
+    fn default() -> Self {
+        Self { id_task: -1, processing: false, opts: None, n_decoded: 0, has_new_line: false }
+    }
+}
+
+/// The slots' states, written by the engine thread and read by `GET /slots`.
+type SlotStates = Arc<Mutex<Vec<SlotState>>>;
 
 pub struct Scheduler {
     /// `None` only while dropping: closing the queue is what stops the engine thread.
@@ -88,6 +113,8 @@ pub struct Scheduler {
     worker: Option<JoinHandle<()>>,
     slots: usize,
     info: SlotInfo,
+    next_task: AtomicI64,
+    states: SlotStates,
 }
 
 impl Scheduler {
@@ -99,8 +126,10 @@ impl Scheduler {
         cfg.n_slots = slots;
         let (tx, rx) = mpsc::channel::<Job>(queue);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let states: SlotStates = Arc::new(Mutex::new(vec![SlotState::default(); slots]));
+        let worker_states = states.clone();
         let worker = std::thread::Builder::new().name("dflash2-engine".into()).spawn(move || {
-            if let Some(worker) = Worker::build(cfg, metrics, ready_tx) {
+            if let Some(worker) = Worker::build(cfg, metrics, worker_states, ready_tx) {
                 worker.serve(rx);
             }
         })?;
@@ -109,15 +138,21 @@ impl Scheduler {
             Ok(Err(e)) => anyhow::bail!("{e}"),
             Err(_) => anyhow::bail!("the engine thread died while building its engine"),
         };
-        Ok(Self { queue: Some(tx), worker: Some(worker), slots, info })
+        Ok(Self { queue: Some(tx), worker: Some(worker), slots, info, next_task: AtomicI64::new(0), states })
     }
 
     /// Queue a request; fails at once when every slot is busy and the queue is full.
     pub fn submit(&self, req: GenRequest) -> Result<mpsc::Receiver<GenEvent>, QueueFull> {
         let (events, rx) = mpsc::channel(EVENT_BUFFER);
         let queue = self.queue.as_ref().expect("the queue is open until drop");
-        queue.try_send(Job { req, events }).map_err(|_| QueueFull)?;
+        let id_task = self.next_task.fetch_add(1, Ordering::Relaxed);
+        queue.try_send(Job { req, events, id_task }).map_err(|_| QueueFull)?;
         Ok(rx)
+    }
+
+    /// Every slot's state, in slot order.
+    pub fn slot_states(&self) -> Vec<SlotState> {
+        lock(&self.states).clone()
     }
 
     /// Requests waiting for a slot.
@@ -157,6 +192,7 @@ struct Active {
 struct Worker {
     models: SlotModels,
     metrics: Arc<Metrics>,
+    states: SlotStates,
     /// `None` after a panic left it in an unknown state and rebuilding failed.
     engine: Option<Engine>,
     /// One entry per engine slot.
@@ -167,6 +203,7 @@ impl Worker {
     fn build(
         cfg: EngineConfig,
         metrics: Arc<Metrics>,
+        states: SlotStates,
         ready: std::sync::mpsc::Sender<Result<SlotInfo, String>>,
     ) -> Option<Self> {
         let built = SlotModels::load(cfg).map_err(|e| e.to_string()).and_then(|models| match models.engine() {
@@ -182,7 +219,7 @@ impl Worker {
                 };
                 let _ = ready.send(Ok(info));
                 let slots = (0..engine.n_slots()).map(|_| None).collect();
-                Some(Self { models, metrics, engine: Some(engine), slots })
+                Some(Self { models, metrics, states, engine: Some(engine), slots })
             }
             Err(e) => {
                 let _ = ready.send(Err(e));
@@ -237,6 +274,8 @@ impl Worker {
         };
         match started {
             Ok(Ok(run)) => {
+                let opts = Some(job.req.opts.clone());
+                lock(&self.states)[slot] = SlotState { id_task: job.id_task, processing: true, opts, n_decoded: 0, has_new_line: false };
                 let text = TextRelease::new(job.req.opts.stop.clone());
                 let first = run.tokens().to_vec();
                 self.slots[slot] = self.deliver(Active { job, run, text, probs_sent: 0, _busy: busy }, first);
@@ -294,6 +333,7 @@ impl Worker {
     /// it keeps its slot: not once it finished or its client went away.
     fn deliver(&self, mut a: Active, tokens: Vec<Token>) -> Option<Active> {
         let released = a.text.release(&a.run);
+        let has_new_line = released.contains('\n');
         let gone = if tokens.is_empty() && released.is_empty() && a.run.probs().len() == a.probs_sent {
             a.job.events.is_closed()
         } else {
@@ -303,6 +343,13 @@ impl Worker {
         };
         if gone {
             a.run.cancel();
+        }
+        {
+            let mut states = lock(&self.states);
+            let state = &mut states[a.run.slot()];
+            state.n_decoded = a.run.tokens().len();
+            state.has_new_line |= has_new_line;
+            state.processing = a.run.finish().is_none();
         }
         if a.run.finish().is_none() {
             return Some(a);
@@ -315,6 +362,7 @@ impl Worker {
 
     /// End every active request with `message`.
     fn abort_all(&mut self, message: &str) {
+        lock(&self.states).iter_mut().for_each(|s| s.processing = false);
         for a in self.slots.iter_mut().filter_map(Option::take) {
             self.metrics.failed();
             let _ = a.job.events.blocking_send(GenEvent::Error(message.to_string()));
@@ -363,6 +411,11 @@ impl TextRelease {
             .find(|&i| is_stop_start(&text[i..]))
             .unwrap_or(text.len())
     }
+}
+
+/// The slots' states; a panic while they were held left plain data, still readable.
+fn lock(states: &Mutex<Vec<SlotState>>) -> std::sync::MutexGuard<'_, Vec<SlotState>> {
+    states.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {

@@ -449,6 +449,13 @@ pub struct PromptText {
     pub prompt: String,
 }
 
+/// `POST /v1/chat/completions/input_tokens`'s answer.
+#[derive(Debug, Serialize)]
+pub struct InputTokens {
+    pub object: &'static str,
+    pub input_tokens: usize,
+}
+
 #[derive(Debug, Serialize)]
 pub struct GenerationSettings {
     pub n_ctx: usize,
@@ -462,6 +469,46 @@ pub struct SamplingDefaults {
     pub n_predict: i64,
     #[serde(flatten)]
     pub sampling: crate::sampling::SamplingParams,
+}
+
+/// One slot of `GET /slots`, in llama-server's shape.
+#[derive(Debug, Serialize)]
+pub struct SlotOut {
+    pub id: usize,
+    pub id_task: i64,
+    pub n_ctx: usize,
+    /// Whether the slot's request drafts (a drafter or context look-up).
+    pub speculative: bool,
+    pub is_processing: bool,
+    pub params: SlotParams,
+    pub next_token: NextToken,
+}
+
+/// A slot's request settings, with llama-server's names.
+#[derive(Debug, Serialize)]
+pub struct SlotParams {
+    pub n_predict: i64,
+    #[serde(flatten)]
+    pub sampling: crate::sampling::SamplingParams,
+    pub stop: Vec<String>,
+    pub n_probs: usize,
+    pub grammar: String,
+    pub samplers: [&'static str; 5],
+    /// Tokens drafted per cycle at most (llama-server's `speculative.n_max`).
+    #[serde(rename = "speculative.n_max")]
+    pub speculative_n_max: usize,
+    #[serde(rename = "speculative.n_min")]
+    pub speculative_n_min: usize,
+    #[serde(rename = "speculative.select")]
+    pub speculative_select: crate::engine::SelectMode,
+}
+
+#[derive(Debug, Serialize)]
+pub struct NextToken {
+    pub has_next_token: bool,
+    pub has_new_line: bool,
+    pub n_remain: i64,
+    pub n_decoded: usize,
 }
 
 #[derive(Debug, Serialize)]
