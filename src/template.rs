@@ -34,6 +34,8 @@ pub struct ChatTemplate {
     /// The tokenizer adds BOS itself: a leading BOS in the rendered text is dropped (as
     /// llama-server does), or the prompt would start with two.
     strip_bos: bool,
+    /// Whether the template writes the request's tools into the prompt (found once, by a probe).
+    describes_tools: std::sync::OnceLock<bool>,
 }
 
 const NAME: &str = "chat";
@@ -72,7 +74,7 @@ impl ChatTemplate {
                 }
             }
         };
-        Ok(Self { source, renderer, bos, eos, strip_bos })
+        Ok(Self { source, renderer, bos, eos, strip_bos, describes_tools: Default::default() })
     }
 
     /// The template's text (or the built-in name).
@@ -89,12 +91,37 @@ impl ChatTemplate {
     /// `add_generation_prompt`. A template that refuses the messages (`raise_exception`)
     /// gives its own message as the error.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let messages: Vec<serde_json::Value> =
+            messages.iter().map(|m| serde_json::json!({ "role": m.role, "content": m.content })).collect();
+        self.render_with_tools(&messages, None, add_generation_prompt)
+    }
+
+    /// Render messages given as JSON (assistant `tool_calls`, `tool` results) with a request's
+    /// `tools` (OpenAI's shape), as Hugging Face's `apply_chat_template(messages, tools=tools)`.
+    /// llama.cpp's template code reads only each message's role and text.
+    pub fn render_with_tools(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let text = match &self.renderer {
-            Renderer::Llama(tmpl) => apply_llama_template(tmpl, messages, add_generation_prompt)?,
+            Renderer::Llama(tmpl) => {
+                let text_of = |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_string);
+                let messages: Vec<ChatMessage> = messages
+                    .iter()
+                    .map(|m| ChatMessage {
+                        role: m["role"].as_str().unwrap_or_default().to_string(),
+                        content: m.get("content").filter(|c| !c.is_null()).map(text_of).unwrap_or_default(),
+                    })
+                    .collect();
+                apply_llama_template(tmpl, &messages, add_generation_prompt)?
+            }
             Renderer::Jinja(env) => {
                 let tmpl = env.get_template(NAME).expect("added at construction");
                 let ctx = minijinja::context! {
                     messages => Value::from(Serde(messages)),
+                    tools => tools.map(|t| Value::from(Serde(t))),
                     add_generation_prompt => add_generation_prompt,
                     bos_token => self.bos.as_str(),
                     eos_token => self.eos.as_str(),
@@ -110,6 +137,18 @@ impl ChatTemplate {
         Ok(match text.strip_prefix(self.bos.as_str()) {
             Some(rest) if self.strip_bos && !self.bos.is_empty() => rest.to_string(),
             _ => text,
+        })
+    }
+
+    /// Whether the template writes a request's tools into the prompt itself: a probe rendering
+    /// shows a tool's name (llama.cpp finds its templates' capabilities the same way).
+    pub fn describes_tools(&self) -> bool {
+        *self.describes_tools.get_or_init(|| {
+            const PROBE: &str = "dflash2_probe_tool";
+            let tool = serde_json::json!({ "type": "function", "function": {
+                "name": PROBE, "description": "", "parameters": { "type": "object", "properties": {} } } });
+            let user = serde_json::json!({ "role": "user", "content": "x" });
+            self.is_jinja() && self.render_with_tools(&[user], Some(&[tool]), true).is_ok_and(|t| t.contains(PROBE))
         })
     }
 

@@ -564,7 +564,7 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             user(json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] })),
             400,
             "invalid_request",
-            Some("messages"),
+            Some("messages[0].content"),
         ),
         ("empty token prompt", "/v1/completions", r#"{"prompt": []}"#.into(), 400, "invalid_request", Some("prompt")),
         ("several prompts", "/v1/completions", r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request", Some("prompt")),
@@ -850,6 +850,124 @@ fn infill_completes_code_between_prefix_and_suffix() {
     let (code, v) = tiny.post("/infill", r#"{"input_prefix": "a", "input_extra": [{"filename": "x"}]}"#);
     assert_eq!((code, v["error"]["param"].as_str()), (400, Some("input_extra[0]")), "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("missing field `text`"), "{v}");
+}
+
+/// The one call of a chat answer that called tools: (name, arguments parsed).
+fn tool_call(answer: &Value) -> (String, Value) {
+    let calls = answer["choices"][0]["message"]["tool_calls"].as_array().unwrap_or_else(|| panic!("no tool_calls: {answer}"));
+    assert_eq!(calls.len(), 1, "{answer}");
+    assert_eq!(calls[0]["type"], "function", "{answer}");
+    assert!(calls[0]["id"].as_str().is_some_and(|id| !id.is_empty()), "{answer}");
+    let f = &calls[0]["function"];
+    (f["name"].as_str().unwrap().to_string(), serde_json::from_str(f["arguments"].as_str().unwrap()).unwrap())
+}
+
+/// Tool calling on real models with their own templates: Qwen2.5-Coder's describes the tools and
+/// asks for `<tool_call>` blocks (Hermes); SmolLM2's knows no tools, so they are described in a
+/// system message and a grammar holds the answer to llama.cpp's generic JSON. Calls come back in
+/// OpenAI's shape, whole and streamed (the official SDK reads both, and sends the conversation
+/// back with a tool result); speculation (context look-up on Qwen, the shipped drafter on SmolLM2)
+/// gives plain decoding's answer; malformed tools are refused by their field.
+#[test]
+fn tool_calls_come_back_in_openai_shape_on_real_models() {
+    let weather = json!({ "type": "function", "function": { "name": "get_weather", "description": "Get the current weather of a city",
+        "parameters": { "type": "object", "properties": { "city": { "type": "string" } }, "required": ["city"] } } });
+    let add = json!({ "type": "function", "function": { "name": "add", "description": "Add two integers",
+        "parameters": { "type": "object", "properties": { "a": { "type": "integer" }, "b": { "type": "integer" } }, "required": ["a", "b"] } } });
+    let ask = json!([{ "role": "user", "content": "What is the weather in Paris?" }]);
+
+    let qwen = common::real_model(common::QWEN_05B);
+    let server = Server::start_with("tools-qwen", qwen.to_str().unwrap(), &["--lookup", "--block", "4"]);
+    let prompt = server.post_ok("/apply-template", json!({ "messages": ask, "tools": [weather] }))["prompt"].as_str().unwrap().to_string();
+    assert!(prompt.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""), "{prompt}");
+    assert!(prompt.contains("within <tool_call></tool_call> XML tags"), "{prompt}");
+    let count = |body: Value| server.post_ok("/v1/chat/completions/input_tokens", body)["input_tokens"].as_u64().unwrap();
+    assert!(count(json!({ "messages": ask, "tools": [weather] })) > count(json!({ "messages": ask })) + 50);
+
+    // A named tool among two, held by a grammar: its call parses, with look-up drafting as without.
+    let named = json!({ "messages": ask, "tools": [add, weather], "max_tokens": 48,
+        "tool_choice": { "type": "function", "function": { "name": "get_weather" } } });
+    let spec = server.post_ok("/v1/chat/completions", named.clone());
+    let mut plain = named.clone();
+    plain["lookup"] = json!(false);
+    let plain = server.post_ok("/v1/chat/completions", plain);
+    let (name, args) = tool_call(&spec);
+    assert_eq!(name, "get_weather");
+    assert!(args["city"].as_str().is_some_and(|c| c.contains("Paris")), "{args}");
+    assert_eq!((spec["choices"][0]["finish_reason"].as_str(), spec["choices"][0]["message"]["content"].is_null()), (Some("tool_calls"), true), "{spec}");
+    assert_eq!(tool_call(&plain), (name, args), "speculation changed the call");
+    assert_eq!(spec["usage"], plain["usage"]);
+    assert!(spec["timings"]["draft_n"].as_u64().unwrap() > 0 && plain["timings"]["draft_n"] == 0, "{spec}\n{plain}");
+
+    // The official SDK: whole, streamed (its own accumulation and by hand), and the conversation
+    // continued with its assistant message and a tool result.
+    let r = openai_scenario(&["tools", &server.base, "any-model"]);
+    let whole = &r["whole"];
+    assert_eq!((whole["finish"].as_str(), whole["content"].is_null()), (Some("tool_calls"), true), "{r}");
+    let call = &whole["calls"][0];
+    assert_eq!((call[0].as_str(), call[3].as_str()), (Some("get_weather"), Some("function")), "{r}");
+    for streamed in ["sdk_stream", "stream"] {
+        let s = &r[streamed];
+        assert_eq!(s["finish"], "tool_calls", "{streamed}: {r}");
+        assert!(s["content"].is_null() || s["content"] == "", "{streamed}: {r}");
+        assert_eq!((&s["calls"][0][0], &s["calls"][0][1]), (&call[0], &call[1]), "{streamed}: {r}");
+    }
+    let answer = &r["answer"];
+    assert!(answer["content"].as_str().is_some_and(|c| !c.trim().is_empty()) && answer["calls"] == json!([]), "{r}");
+    assert_eq!(r["malformed"], json!({ "status": 400, "param": "tools[0].function.name" }));
+
+    for (body, param) in [
+        (json!({ "messages": ask, "tool_choice": "required" }), "tool_choice"),
+        (json!({ "messages": ask, "tools": [weather], "grammar": "root ::= \"a\"" }), "tools"),
+        (json!({ "messages": ask, "tools": [{ "type": "code_interpreter" }] }), "tools[0].type"),
+        (json!({ "messages": ask, "tools": [weather], "tool_choice": { "type": "function", "function": { "name": "add" } } }), "tool_choice"),
+    ] {
+        let (code, v) = server.post("/v1/chat/completions", &body.to_string());
+        assert_eq!((code, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+    }
+    let bad_call = json!({ "messages": [ask[0], { "role": "assistant", "tool_calls": [{ "id": "c", "function": { "arguments": "{}" } }] }] });
+    let (code, v) = server.post("/v1/chat/completions", &bad_call.to_string());
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"]["param"].as_str().unwrap().starts_with("messages[1].tool_calls[0].function"), "{v}");
+    drop(server);
+
+    // SmolLM2's template knows no tools: the generic format, with the shipped drafter and without.
+    let smol = common::real_model(common::SMOLLM2);
+    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let spec = Server::start_with("tools-smol-spec", smol.to_str().unwrap(), &["-d", drafter.to_str().unwrap(), "--block", "8"]);
+    let plain = Server::start_with("tools-smol-plain", smol.to_str().unwrap(), &[]);
+    let prompt = spec.post_ok("/apply-template", json!({ "messages": ask, "tools": [weather] }))["prompt"].as_str().unwrap().to_string();
+    for part in ["You can call any of the following tools", "\"name\": \"get_weather\"", "Respond in JSON format"] {
+        assert!(prompt.contains(part), "{part:?} not in {prompt}");
+    }
+    let auto = json!({ "messages": ask, "tools": [weather], "max_tokens": 64 });
+    let (a, b) = (spec.post_ok("/v1/chat/completions", auto.clone()), plain.post_ok("/v1/chat/completions", auto.clone()));
+    assert_eq!(a["choices"][0]["message"]["tool_calls"][0]["function"], b["choices"][0]["message"]["tool_calls"][0]["function"], "{a}\n{b}");
+    assert_eq!(a["usage"], b["usage"]);
+    assert!(a["timings"]["draft_n"].as_u64().unwrap() > 0, "{a}");
+    let (name, args) = tool_call(&a);
+    assert_eq!((name.as_str(), a["choices"][0]["finish_reason"].as_str()), ("get_weather", Some("tool_calls")), "{a}");
+    assert!(args["city"].is_string(), "{args}");
+    // streamed: content held back (the answer is JSON), the call whole before the end
+    let mut stream = auto.clone();
+    stream["stream"] = json!(true);
+    let events: Vec<Value> = spec.post_sse("/v1/chat/completions", stream).iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+    let deltas: Vec<&Value> = events.iter().map(|e| &e["choices"][0]["delta"]).collect();
+    assert!(deltas.iter().all(|d| d["content"].is_null()), "{events:?}");
+    let calls: Vec<&Value> = deltas.iter().filter_map(|d| d["tool_calls"].as_array()).flatten().collect();
+    assert_eq!(calls.len(), 1, "{events:?}");
+    assert_eq!((&calls[0]["index"], &calls[0]["function"]), (&json!(0), &a["choices"][0]["message"]["tool_calls"][0]["function"]));
+    assert_eq!(events.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    // the conversation continued with the result: calls and results as the generic format's JSON
+    let follow = json!([ask[0], { "role": "assistant", "content": null, "tool_calls": [{ "id": "call_1", "type": "function",
+        "function": { "name": "get_weather", "arguments": "{\"city\": \"Paris\"}" } }] },
+        { "role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny" }]);
+    let prompt = spec.post_ok("/apply-template", json!({ "messages": follow, "tools": [weather] }))["prompt"].as_str().unwrap().to_string();
+    assert!(prompt.contains("\"tool_call\": {\n    \"name\": \"get_weather\""), "{prompt}");
+    assert!(prompt.contains("\"tool_response\": {\n    \"content\": \"18 C and sunny\""), "{prompt}");
+    // `none`: the tools are not described, the answer is text
+    let none = spec.post_ok("/v1/chat/completions", json!({ "messages": follow, "tools": [weather], "tool_choice": "none", "max_tokens": 16 }));
+    assert!(none["choices"][0]["message"]["content"].is_string() && none["choices"][0]["message"].get("tool_calls").is_none(), "{none}");
 }
 
 /// Log-probabilities in each API's shape, streamed or not, equal plain decoding's with a

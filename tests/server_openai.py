@@ -5,6 +5,7 @@ Each scenario prints one JSON object on stdout; the Rust test makes the assertio
     server_openai.py basic BASE MODEL
     server_openai.py load BASE PLAIN_BASE MODEL REQUESTS.json CLIENTS
     server_openai.py auth BASE MODEL KEY
+    server_openai.py tools BASE MODEL
 """
 import json
 import re
@@ -212,6 +213,64 @@ def auth(base, model, key):
     print(json.dumps(out))
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def calls_of(message):
+    return [(c.function.name, json.loads(c.function.arguments), c.id, c.type) for c in message.tool_calls or []]
+
+
+def tools(base, model):
+    """Tool calls as the SDK reads them: whole, accumulated from a stream by the SDK's own
+    helper and by hand, and a conversation continued with the SDK's assistant message and a result."""
+    c = client(base)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=model, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=48, temperature=0)
+    out = {}
+    r = c.chat.completions.create(**kw)
+    m = r.choices[0].message
+    out["whole"] = {"content": m.content, "calls": calls_of(m), "finish": r.choices[0].finish_reason}
+    with c.chat.completions.stream(**kw) as s:
+        final = s.get_final_completion()
+    fm = final.choices[0].message
+    out["sdk_stream"] = {"content": fm.content, "calls": calls_of(fm), "finish": final.choices[0].finish_reason}
+    by_index, finish, text = {}, None, []
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.delta.content:
+                text.append(ch.delta.content)
+            for d in ch.delta.tool_calls or []:
+                entry = by_index.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    out["stream"] = {
+        "content": "".join(text),
+        "calls": [(e["name"], json.loads(e["arguments"])) for _, e in sorted(by_index.items())],
+        "finish": finish,
+    }
+    follow = messages + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18 C and sunny"}]
+    r = c.chat.completions.create(model=model, messages=follow, tools=[WEATHER], tool_choice="none", max_tokens=24, temperature=0)
+    out["answer"] = {"content": r.choices[0].message.content, "calls": calls_of(r.choices[0].message), "finish": r.choices[0].finish_reason}
+    try:
+        c.chat.completions.create(model=model, messages=messages, tools=[{"type": "function", "function": {"description": "x"}}])
+        out["malformed"] = None
+    except openai.BadRequestError as e:
+        out["malformed"] = {"status": e.status_code, "param": e.param}
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "basic":
@@ -220,5 +279,7 @@ if __name__ == "__main__":
         load(*args[:4], int(args[4]))
     elif cmd == "auth":
         auth(*args)
+    elif cmd == "tools":
+        tools(*args)
     else:
         sys.exit("unknown scenario " + cmd)

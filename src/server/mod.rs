@@ -10,6 +10,7 @@ pub mod logprobs;
 pub mod metrics;
 pub mod routes;
 pub mod scheduler;
+pub mod tools;
 pub mod types;
 
 use crate::engine::SelectMode;

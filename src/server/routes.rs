@@ -3,10 +3,11 @@
 //! [`Reply`] in its endpoint's shape: one JSON body, or server-sent events.
 use super::errors::ApiError;
 use super::scheduler::{GenEvent, GenRequest, QueueFull};
+use super::tools::{self, Tools};
 use super::types::*;
 use super::AppState;
 use crate::engine::{FinishReason, GenerateOptions, Generation, SelectMode};
-use crate::llama::{ChatMessage, LlamaError, Model, Token};
+use crate::llama::{LlamaError, Model, Token};
 use crate::sampling::{SamplingParams, TokenProb};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
@@ -247,9 +248,17 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
         }
         _ => None,
     };
-    let prompt = chat_prompt(&s, req.messages).await?;
+    let tools = chat_tools(&s, &req)?;
+    if let Some(t) = tools.as_ref().filter(|t| t.active()) {
+        if opts.grammar.is_some() {
+            return Err(ApiError::invalid_param("tools", "give `tools` or a `grammar` / `json_schema` / `response_format`, not both"));
+        }
+        opts.grammar = t.grammar()?;
+    }
+    let prompt = chat_prompt(&s, req.messages, tools.as_ref()).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let reply = Reply::new(&s, "chatcmpl", Shape::Chat { include_usage }, opts.n_probs.is_some());
+    let shape = Shape::Chat { include_usage, tools: tools.filter(Tools::active) };
+    let reply = Reply::new(&s, "chatcmpl", shape, opts.n_probs.is_some());
     generate(&s, prompt, opts, n, reply, req.stream.unwrap_or(false)).await
 }
 
@@ -453,70 +462,58 @@ fn stop_strings(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
 }
 
 /// `POST /apply-template` (llama-server's): the prompt text a chat request would decode.
-pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ApplyTemplateRequest>) -> Result<Json<PromptText>, ApiError> {
-    let prompt = render_chat(&s, req.messages)?;
+pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Json<PromptText>, ApiError> {
+    let tools = chat_tools(&s, &req)?;
+    let prompt = render_chat(&s, req.messages, tools.as_ref())?;
     Ok(Json(PromptText { prompt }))
 }
 
 /// `POST /v1/chat/completions/input_tokens` (llama-server's): how many prompt tokens a chat
 /// request's body would decode.
 pub async fn chat_input_tokens(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Json<InputTokens>, ApiError> {
-    let prompt = chat_prompt(&s, req.messages).await?;
+    let tools = chat_tools(&s, &req)?;
+    let prompt = chat_prompt(&s, req.messages, tools.as_ref()).await?;
     Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
 }
 
+/// A chat request's tools, in the format the served template asks for.
+fn chat_tools(s: &AppState, req: &ChatRequest) -> Result<Option<Tools>, ApiError> {
+    let format = tools::Format::of(&s.template);
+    Tools::new(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls, format)
+}
+
 /// The prompt tokens of a chat request, rendered with the served template.
-async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>) -> Result<Vec<Token>, ApiError> {
-    let text = render_chat(s, messages)?;
+async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>) -> Result<Vec<Token>, ApiError> {
+    let text = render_chat(s, messages, tools)?;
     let model = s.model().clone();
     blocking(move || model.tokenize(&text, true, true)).await
 }
 
-/// The chat prompt text. A conversation that ends with an assistant message asks for that
-/// message to be continued (llama-server's assistant prefill): the turns before it are rendered
-/// with the assistant's turn opened, and its text follows.
-fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>) -> Result<String, ApiError> {
-    let mut messages = chat_messages(messages)?;
-    let is_assistant = |m: Option<&ChatMessage>| m.is_some_and(|m| m.role == "assistant");
+/// The chat prompt text, with the request's tools. A conversation that ends with an assistant
+/// message asks for that message to be continued (llama-server's assistant prefill): the turns
+/// before it are rendered with the assistant's turn opened, and its text follows.
+fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>) -> Result<String, ApiError> {
+    let native = s.template.describes_tools();
+    let mut messages = tools::conversation(messages, native)?;
+    let is_assistant = |m: Option<&serde_json::Value>| m.is_some_and(|m| m["role"] == "assistant");
     let prefill = match is_assistant(messages.last()) {
         false => None,
         true if is_assistant(messages.iter().rev().nth(1)) => {
             return Err(ApiError::invalid_param("messages", "Cannot have 2 or more assistant messages at the end of the list."))
         }
-        true => messages.pop().map(|m| m.content),
+        true => messages.pop().and_then(|m| m["content"].as_str().map(str::to_string)),
     };
-    let text = s.template.render(&messages, true).map_err(template_refused)?;
+    if let Some(t) = tools {
+        t.describe(&mut messages);
+    }
+    let list = tools.filter(|_| native).map(|t| t.list.as_slice());
+    let text = s.template.render_with_tools(&messages, list, true).map_err(template_refused)?;
     Ok(text + prefill.as_deref().unwrap_or_default())
 }
 
 /// The template's own refusal (`raise_exception`) names the messages as the field at fault.
 fn template_refused(e: LlamaError) -> ApiError {
     ApiError::invalid_param("messages", format!("the chat template refused the messages: {e}"))
-}
-
-fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::invalid_param("messages", "`messages` must hold at least one message"));
-    }
-    messages
-        .into_iter()
-        .map(|m| {
-            let content = match m.content {
-                None => String::new(),
-                Some(MessageContent::Text(t)) => t,
-                Some(MessageContent::Parts(parts)) => parts
-                    .into_iter()
-                    .map(|p| match (p.kind.as_str(), p.text) {
-                        ("text", Some(t)) => Ok(t),
-                        (kind, _) => Err(ApiError::invalid_param("messages", format!(
-                            "content parts of type `{kind}` are not supported: the model reads text"
-                        ))),
-                    })
-                    .collect::<Result<String, _>>()?,
-            };
-            Ok(ChatMessage { role: m.role, content })
-        })
-        .collect()
 }
 
 async fn prompt_tokens(s: &AppState, prompt: Prompt) -> Result<Vec<Token>, ApiError> {
@@ -560,7 +557,8 @@ fn now() -> u64 {
 
 /// Which endpoint's shapes a reply takes.
 enum Shape {
-    Chat { include_usage: bool },
+    /// `tools`: tool calls are parsed out of the answer.
+    Chat { include_usage: bool, tools: Option<Tools> },
     Text { include_usage: bool },
     Llama { return_tokens: bool, stops: Vec<String> },
 }
@@ -576,6 +574,9 @@ struct Reply {
     logprobs: bool,
     /// Characters of text streamed so far (OpenAI's legacy `text_offset`).
     streamed_chars: std::sync::Mutex<Vec<usize>>,
+    /// Per choice of a streamed chat with tools: the answer so far, and the bytes of it sent
+    /// as content.
+    tool_text: std::sync::Mutex<Vec<(String, usize)>>,
 }
 
 impl Reply {
@@ -588,6 +589,7 @@ impl Reply {
             target: s.model().clone(),
             logprobs,
             streamed_chars: Default::default(),
+            tool_text: Default::default(),
         }
     }
 
@@ -604,16 +606,25 @@ impl Reply {
         let usage = Some(Usage::of(gens));
         let timings = Some(Timings::from(&gens[0].stats));
         match &self.shape {
-            Shape::Chat { .. } => {
+            Shape::Chat { tools, .. } => {
                 let choices = gens
                     .iter()
                     .enumerate()
-                    .map(|(i, g)| ChatChoice {
-                        index: i as u32,
-                        message: Some(ChatMessageOut { role: Some("assistant"), content: Some(Some(g.text.clone())) }),
-                        delta: None,
-                        finish_reason: Some(finish_reason(g.finish)),
-                        logprobs: self.chat_logprobs(&g.probs),
+                    .map(|(i, g)| {
+                        let (content, tool_calls) = match tools {
+                            None => (Some(g.text.clone()), None),
+                            Some(t) => {
+                                let parsed = t.parse(&g.text);
+                                (parsed.content, Some(parsed.calls).filter(|c| !c.is_empty()))
+                            }
+                        };
+                        ChatChoice {
+                            index: i as u32,
+                            finish_reason: Some(chat_finish(g.finish, tool_calls.is_some())),
+                            message: Some(ChatMessageOut { role: Some("assistant"), content: Some(content), tool_calls }),
+                            delta: None,
+                            logprobs: self.chat_logprobs(&g.probs),
+                        }
                     })
                     .collect();
                 Json(Completion { usage, timings, ..self.envelope("chat.completion", choices) }).into_response()
@@ -687,7 +698,14 @@ impl Reply {
     fn piece(&self, index: usize, tokens: Vec<Token>, text: String, probs: Vec<TokenProb>) -> Option<Event> {
         let with_probs = self.logprobs && !probs.is_empty();
         match &self.shape {
-            Shape::Chat { .. } if !text.is_empty() || with_probs => {
+            Shape::Chat { tools, .. } => {
+                let text = match tools {
+                    None => text,
+                    Some(t) => self.shown_content(t, index, &text),
+                };
+                if text.is_empty() && !with_probs {
+                    return None;
+                }
                 let mut chunk = self.chat_delta(index, None, Some(Some(text)), None, None);
                 chunk.choices[0].logprobs = self.chat_logprobs(&probs);
                 Some(event(&chunk))
@@ -719,7 +737,26 @@ impl Reply {
         let reason = Some(finish_reason(g.finish));
         let timings = Some(Timings::from(&g.stats));
         match &self.shape {
-            Shape::Chat { .. } => vec![event(&self.chat_delta(index, None, None, reason, timings))],
+            Shape::Chat { tools: None, .. } => vec![event(&self.chat_delta(index, None, None, reason, timings))],
+            Shape::Chat { tools: Some(t), .. } => {
+                // The rest of the content, then the calls whole, then the end.
+                let parsed = t.parse(&g.text);
+                let shown = self.tool_text.lock().expect("never poisoned: no panics inside").get(index).map_or(0, |h| h.1);
+                let rest = parsed.content.as_deref().and_then(|c| c.get(shown..)).unwrap_or_default();
+                let mut out = Vec::new();
+                if !rest.is_empty() {
+                    out.push(event(&self.chat_delta(index, None, Some(Some(rest.to_string())), None, None)));
+                }
+                let called = !parsed.calls.is_empty();
+                if called {
+                    let calls = parsed.calls.into_iter().enumerate().map(|(i, c)| ToolCallOut { index: Some(i as u32), ..c }).collect();
+                    let mut chunk = self.chat_delta(index, None, None, None, None);
+                    chunk.choices[0].delta = Some(ChatMessageOut { tool_calls: Some(calls), ..Default::default() });
+                    out.push(event(&chunk));
+                }
+                out.push(event(&self.chat_delta(index, None, None, Some(chat_finish(g.finish, called)), timings)));
+                out
+            }
             Shape::Text { .. } => vec![event(&Completion { timings, ..self.text_piece(index, String::new(), reason) })],
             Shape::Llama { .. } => vec![event(&self.llama_end(String::new(), g))],
         }
@@ -730,7 +767,7 @@ impl Reply {
         let usage = Some(Usage::of(gens));
         let mut out = Vec::new();
         match &self.shape {
-            Shape::Chat { include_usage: true } => {
+            Shape::Chat { include_usage: true, .. } => {
                 out.push(event(&ChatCompletion { usage, ..self.envelope("chat.completion.chunk", Vec::new()) }))
             }
             Shape::Text { include_usage: true } => {
@@ -772,9 +809,24 @@ impl Reply {
         finish: Option<&'static str>,
         timings: Option<Timings>,
     ) -> ChatCompletion {
-        let delta = ChatMessageOut { role, content };
+        let delta = ChatMessageOut { role, content, tool_calls: None };
         let choice = ChatChoice { index: index as u32, message: None, delta: Some(delta), finish_reason: finish, logprobs: None };
         ChatCompletion { timings, ..self.envelope("chat.completion.chunk", vec![choice]) }
+    }
+
+    /// The part of choice `index`'s new `text` that is surely content (calls are sent whole at
+    /// the end, with the content held back until then).
+    fn shown_content(&self, tools: &Tools, index: usize, text: &str) -> String {
+        let mut held = self.tool_text.lock().expect("never poisoned: no panics inside");
+        if held.len() <= index {
+            held.resize(index + 1, (String::new(), 0));
+        }
+        let (all, shown) = &mut held[index];
+        all.push_str(text);
+        let end = tools.shown_prefix(all).max(*shown);
+        let out = all[*shown..end].to_string();
+        *shown = end;
+        out
     }
 
     fn text_piece(&self, index: usize, text: String, finish: Option<&'static str>) -> TextCompletion {
@@ -805,6 +857,14 @@ impl Reply {
                 timings: Timings::from(s),
             }),
         }
+    }
+}
+
+/// A chat's `finish_reason`: `tool_calls` when the answer ended with calls (not cut by a limit).
+fn chat_finish(f: FinishReason, called: bool) -> &'static str {
+    match finish_reason(f) {
+        "stop" if called => "tool_calls",
+        reason => reason,
     }
 }
 

@@ -76,6 +76,10 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// Alternatives per token (0..=20) with `logprobs`.
     pub top_logprobs: Option<i64>,
+    /// OpenAI's tools, checked by `tools::Tools::new` (which names a malformed field's path).
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -83,6 +87,25 @@ pub struct ChatMessageIn {
     pub role: String,
     /// `null` for an assistant turn that only called tools.
     pub content: Option<MessageContent>,
+    /// The calls of an assistant turn.
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// The call a `tool` message answers, and the tool's name.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ToolCallIn {
+    pub id: Option<String>,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FunctionCallIn {
+    pub name: String,
+    /// JSON text (OpenAI's shape) or an object.
+    #[serde(default)]
+    pub arguments: serde_json::Value,
 }
 
 #[derive(Debug, Deserialize)]
@@ -180,12 +203,6 @@ pub struct ExtraChunk {
 
 fn tmp() -> String {
     "tmp".into()
-}
-
-/// llama-server's `POST /apply-template`.
-#[derive(Debug, Deserialize)]
-pub struct ApplyTemplateRequest {
-    pub messages: Vec<ChatMessageIn>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -308,9 +325,30 @@ pub struct ChatChoice {
 pub struct ChatMessageOut {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
-    /// Absent, `null` (the first chunk of a stream, as llama-server and OpenAI send it) or text.
+    /// Absent, `null` (the first chunk of a stream, as llama-server and OpenAI send it; an answer
+    /// that only called tools) or text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<Option<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+/// One call of OpenAI's `tool_calls`; streamed deltas carry its `index`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments' JSON, as text.
+    pub arguments: String,
 }
 
 #[derive(Debug, Serialize)]
