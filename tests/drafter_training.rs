@@ -2,8 +2,9 @@
 //! and greedy labels off the target, `gguf-drafters/train/train.py` trains a DFlash 2 (and a
 //! DFlash 1) drafter for a few steps (its loss must fall), `dflash2 convert` turns the
 //! checkpoint into GGUF, llama.cpp's drafter outputs for a block equal an independent
-//! PyTorch computation of the same checkpoint (`reference.py`), and the trained drafter
-//! decodes losslessly.
+//! PyTorch computation of the same checkpoint (`reference.py`), the trained drafter
+//! decodes losslessly, and the PyTorch copy of the target (`target_torch.py`, for GPU machines
+//! without llama.cpp) reads the labels and features llama.cpp reads.
 //!
 //! Needs the training environment: `.venv/bin/python` with torch, numpy, safetensors and
 //! gguf (`tests/support/setup.sh` makes it), or `$DFLASH2_TRAIN_PYTHON`. Missing: the test
@@ -215,6 +216,16 @@ fn dataset_train_convert_and_run_a_drafter_on_the_synthetic_target() {
     let log = run(dflash2().args(["dataset", "-m"]).arg(&target).arg("--conversations").arg(&conv).arg("--out").arg(&data).args(["--layers", "1,2", "-t", "2"]));
     assert!(log.contains("28 conversations"), "{log}");
     check_soft_labels(&data, 8);
+
+    // the PyTorch copy of the target (what a GPU machine without llama.cpp decodes and reads
+    // features with) computes what llama.cpp computes, up to llama.cpp's rounding of activations
+    // (near-ties of this random target's flat laws flip; a wrong layout would agree by chance
+    // alone), and its cached, left-padded batch decoding equals a full read
+    let log = run(Command::new(python()).arg(script("target_torch.py")).arg("--target").arg(&target).arg("--data").arg(&data)
+        .args(["--min-agree", "0.9", "--max-err", "0.03"]));
+    let line = log.lines().find(|l| l.starts_with("greedy next agrees")).unwrap_or_else(|| panic!("{log}"));
+    let agree: f64 = line.split_whitespace().nth(6).and_then(|x| x.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+    assert!(agree >= 0.9, "{line}");
 
     // DFlash 2: the shipped kind
     let d2 = train(&target, &data, &dir.join("ckpt-dflash2"), &["--top-k", "8", "--draft-vocab", "256"]);

@@ -48,7 +48,8 @@ def main():
     model.eval()
     mask_id = config["dflash_config"]["mask_token_id"]
     with torch.no_grad():
-        h, logits = model(data.features[s:e], torch.tensor([args.anchor]), tok_embd, data.tokens[s:e], mask_id, args.block)
+        h, logits = model(data.features[s:e][None], torch.tensor([[args.anchor]]), tok_embd, data.tokens[s:e][None], mask_id,
+                          args.block)
         h, logits = h[0, 1:], logits[0, 1:]  # the block's draft positions
         anchor = data.tokens[s + args.anchor]
         ids, scores = [], []

@@ -153,11 +153,11 @@ class RMSNorm(nn.Module):
 
 
 def rope(x, pos, base):
-    """NeoX rotary embedding (llama.cpp's rope type for dflash): x [..., n, heads, hd]."""
+    """NeoX rotary embedding (llama.cpp's rope type for dflash): x [..., n, heads, hd], pos [..., n]."""
     hd = x.shape[-1]
     inv = base ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)
-    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [n, hd/2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    ang = pos.to(torch.float32)[..., None] * inv  # [..., n, hd/2]
+    cos, sin = ang.cos()[..., None, :].to(x.dtype), ang.sin()[..., None, :].to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -217,41 +217,43 @@ class Layer(nn.Module):
             self.attention_conv = self.mlp_conv = None
 
     def context_kv(self, ctx, pos, base):
-        """K/V of the injected context rows ctx [T, E] (what llama.cpp writes into the cache)."""
+        """K/V of the injected context rows ctx [S, T, E] (what llama.cpp writes into the cache)."""
         a = self.self_attn
-        k = a.k_norm(a.k_proj(ctx).view(-1, self.nkv, self.hd))
-        v = a.v_proj(ctx).view(-1, self.nkv, self.hd)
+        s, t, _ = ctx.shape
+        k = a.k_norm(a.k_proj(ctx).view(s, t, self.nkv, self.hd))
+        v = a.v_proj(ctx).view(s, t, self.nkv, self.hd)
         return rope(k, pos, base), v
 
     def forward(self, x, pos, ctx_kv, mask, base):
-        """x [m, B, E] block rows; pos [m*B]; ctx_kv (K [T,kv,hd], V); mask [m*B, T+m*B] (True = attend)."""
-        m, b, e = x.shape
+        """x [S, m, B, E]: m blocks of each of S sequences; pos [S, m*B]; ctx_kv (K, V) [S, T, kv, hd];
+        mask [S, m*B, T+m*B] (True = attend). The convolutions run along each block's B rows."""
+        s, m, b, e = x.shape
         a = self.self_attn
-        h = self.input_layernorm(x)
+        h = self.input_layernorm(x).view(s * m, b, e)
         dyn = None
         if self.attention_conv is not None:
             h, dyn = self.attention_conv.prepare(h)
-        h = h.reshape(m * b, e)
-        q = rope(a.q_norm(a.q_proj(h).view(-1, self.nh, self.hd)), pos, base)
-        k = rope(a.k_norm(a.k_proj(h).view(-1, self.nkv, self.hd)), pos, base)
-        v = a.v_proj(h).view(-1, self.nkv, self.hd)
-        k = torch.cat([ctx_kv[0], k], 0)
-        v = torch.cat([ctx_kv[1], v], 0)
+        h = h.reshape(s, m * b, e)
+        q = rope(a.q_norm(a.q_proj(h).view(s, m * b, self.nh, self.hd)), pos, base)
+        k = rope(a.k_norm(a.k_proj(h).view(s, m * b, self.nkv, self.hd)), pos, base)
+        v = a.v_proj(h).view(s, m * b, self.nkv, self.hd)
+        k = torch.cat([ctx_kv[0], k], 1)
+        v = torch.cat([ctx_kv[1], v], 1)
         rep = self.nh // self.nkv  # q head i reads kv head i // rep, as llama.cpp does
-        k = k.repeat_interleave(rep, dim=1).transpose(0, 1)
-        v = v.repeat_interleave(rep, dim=1).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.hd ** -0.5)
-        o = a.o_proj(o.transpose(0, 1).reshape(m * b, -1)).view(m, b, e)
+        k = k.repeat_interleave(rep, dim=2).transpose(1, 2)
+        v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=self.hd ** -0.5)
+        o = a.o_proj(o.transpose(1, 2).reshape(s, m * b, -1)).view(s * m, b, e)
         if dyn is not None:
             o = self.attention_conv.convolve(o, dyn, 1)
-        x = x + o
-        h = self.post_attention_layernorm(x)
+        x = x + o.view(s, m, b, e)
+        h = self.post_attention_layernorm(x).view(s * m, b, e)
         if self.mlp_conv is not None:
             h, dyn = self.mlp_conv.prepare(h)
         f = self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
         if self.mlp_conv is not None:
             f = self.mlp_conv.convolve(f, dyn, 1)
-        return x + f
+        return x + f.view(s, m, b, e)
 
 
 class Drafter(nn.Module):
@@ -281,27 +283,28 @@ class Drafter(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, features, anchors, tok_embd, tokens, mask_id, block):
-        """features [T, F] of one sequence; anchors [m] positions (context = rows before each).
-        Returns the final normed hidden rows [m, block, E] and the draft logits [m, block, V]."""
+        """features [S, T, F] and tokens [S, T] of S sequences (padded at the end: a row at or after
+        an anchor is never seen); anchors [S, m] positions (context = the rows before each).
+        Returns the final normed hidden rows [S*m, block, E] and the draft logits [S*m, block, V]."""
         base = self.c["rope_theta"]
-        t = features.shape[0]
-        m = anchors.shape[0]
+        s, t, _ = features.shape
+        m = anchors.shape[1]
         ctx = self.hidden_norm(self.fc(features))
         dev = features.device
         ctx_pos = torch.arange(t, device=dev)
         offs = torch.arange(block, device=dev)
-        blk_pos = (anchors[:, None] + offs[None, :]).reshape(-1)
-        ids = torch.full((m, block), mask_id, dtype=torch.long, device=dev)
-        ids[:, 0] = tokens[anchors]
+        blk_pos = (anchors[..., None] + offs).reshape(s, m * block)
+        ids = torch.full((s, m, block), mask_id, dtype=torch.long, device=dev)
+        ids[..., 0] = tokens.gather(1, anchors)
         x = tok_embd[ids]
         # block i sees the context rows before its anchor and every row of its own block
-        see_ctx = ctx_pos[None, :] < anchors.repeat_interleave(block)[:, None]
+        see_ctx = ctx_pos < anchors.repeat_interleave(block, dim=1)[..., None]
         blk_id = torch.arange(m, device=dev).repeat_interleave(block)
-        see_blk = blk_id[:, None] == blk_id[None, :]
-        mask = torch.cat([see_ctx, see_blk], 1)
+        see_blk = (blk_id[:, None] == blk_id[None, :]).expand(s, -1, -1)
+        mask = torch.cat([see_ctx, see_blk], 2)
         for layer in self.layers:
             x = layer(x, blk_pos, layer.context_kv(ctx, ctx_pos, base), mask, base)
-        h = self.norm(x)
+        h = self.norm(x).view(s * m, block, -1)
         return h, self.lm_head(h)
 
     def selector_scores(self, h, cand_ids, pred_ids):
@@ -317,24 +320,25 @@ class Drafter(nn.Module):
 # ----------------------------------------------------------------------------- data
 
 class Data:
-    """One or more `dflash2 dataset` files of the same target, concatenated."""
+    """Training rows of one target: per token the token, the target's greedy next token, the
+    target's features (and optionally its top-K law), with sequence bounds (start, end, first
+    anchor). Read from one or more `dflash2 dataset` files, or built in memory (gpu_campaign.py)."""
 
     def __init__(self, paths, val_fraction, seed, min_len):
         if isinstance(paths, str):
             paths = [paths]
-        tokens, nxt, feats, seqs, self.meta = [], [], [], [], None
+        tokens, nxt, feats, seqs, meta = [], [], [], [], None
         topk_ids, topk_lp = [], []
-        self.offsets = [0]
         base = 0
         for path in paths:
             t = np_load_file(path)
             with open(path, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
-                meta = json.loads(f.read(n)).get("__metadata__", {})
+                m = json.loads(f.read(n)).get("__metadata__", {})
             keys = ("target_layers", "n_embd", "mask_token_id")
-            if self.meta is not None and any(meta.get(k) != self.meta.get(k) for k in keys):
+            if meta is not None and any(m.get(k) != meta.get(k) for k in keys):
                 sys.exit(f"error: {path} was read off another target or other layers than {paths[0]}")
-            self.meta = meta
+            meta = m
             tokens.append(t["tokens"].astype(np.int64))
             nxt.append(t["next"].astype(np.int64))
             feats.append(t["features"])
@@ -344,25 +348,40 @@ class Data:
             off, ans = t["offsets"], t["answer_start"]
             for i in range(len(ans)):
                 seqs.append((base + int(off[i]), base + int(off[i + 1]), base + int(ans[i])))
-                self.offsets.append(base + int(off[i + 1]))
             base += len(t["tokens"])
-        self.tokens = torch.from_numpy(np.concatenate(tokens))
-        self.next = torch.from_numpy(np.concatenate(nxt))
-        self.features = torch.from_numpy(np.concatenate(feats)) if len(feats) > 1 else torch.from_numpy(feats[0])
+        self.offsets = [0] + [q[1] for q in seqs]  # every sequence's bounds, before min_len filters any
         # soft labels only when every file has them with the same K (else hard labels alone)
-        same_k = len({a.shape[1] for a in topk_ids}) == 1
-        if len(topk_ids) == len(paths) and same_k:
-            self.topk_ids = torch.from_numpy(np.concatenate(topk_ids))
-            self.topk_lp = torch.from_numpy(np.concatenate(topk_lp))
-        else:
-            self.topk_ids = self.topk_lp = None
+        soft = len(topk_ids) == len(paths) and len({a.shape[1] for a in topk_ids}) == 1
+        self._setup(meta, torch.from_numpy(np.concatenate(tokens)), torch.from_numpy(np.concatenate(nxt)),
+                    torch.from_numpy(np.concatenate(feats)) if len(feats) > 1 else torch.from_numpy(feats[0]),
+                    torch.from_numpy(np.concatenate(topk_ids)) if soft else None,
+                    torch.from_numpy(np.concatenate(topk_lp)) if soft else None,
+                    seqs, val_fraction, seed, min_len)
+
+    @classmethod
+    def from_arrays(cls, meta, tokens, nxt, features, topk_ids, topk_lp, seqs, val_fraction, seed, min_len,
+                    val_seqs=None):
+        """The same rows from tensors (any device); `val_seqs` fixes the held-out sequences."""
+        self = cls.__new__(cls)
+        self._setup(meta, tokens, nxt, features, topk_ids, topk_lp, seqs, val_fraction, seed, min_len, val_seqs)
+        return self
+
+    def _setup(self, meta, tokens, nxt, features, topk_ids, topk_lp, seqs, val_fraction, seed, min_len,
+               val_seqs=None):
+        self.meta, self.tokens, self.next, self.features = meta, tokens, nxt, features
+        self.topk_ids, self.topk_lp = topk_ids, topk_lp
         # agree[i]: the target's greedy token after i-1 is token i, i.e. the text up to i is a
         # path the target itself would take. A label at block position k is the target's
         # own continuation only where every earlier block token agrees (target-written
         # answers agree almost everywhere; other text where the target would write it too).
-        self.agree = torch.zeros(len(self.tokens), dtype=torch.bool)
-        self.agree[1:] = self.next[:-1] == self.tokens[1:]
+        self.agree = torch.zeros(len(tokens), dtype=torch.bool, device=tokens.device)
+        self.agree[1:] = nxt[:-1] == tokens[1:]
         seqs = [q for q in seqs if q[1] - q[0] >= min_len]
+        if val_seqs is not None:
+            held = set(val_seqs)
+            self.val = [q for q in seqs if q in held]
+            self.train = [q for q in seqs if q not in held]
+            return
         rng = np.random.default_rng(seed)
         order = rng.permutation(len(seqs))
         # held-out: chat rows only (their answers are what the engine drafts at inference)
@@ -373,32 +392,56 @@ class Data:
         self.train = [seqs[i] for i in order if i not in val]
 
     def answer_labels(self, seqs):
-        return torch.cat([self.next[a:e] for (_, e, a) in seqs])
+        return torch.cat([self.next[a:e] for (_, e, a) in seqs]).cpu()
+
+    def rows(self, seqs, dev):
+        """Flat row indices [S, T] of S sequences, each padded to the longest by repeating its last
+        row (a pad row is never attended: it lies at or after every anchor of its sequence)."""
+        starts = torch.tensor([q[0] for q in seqs], device=dev)
+        lens = torch.tensor([q[1] - q[0] for q in seqs], device=dev)
+        t = int(lens.max())
+        return starts[:, None] + torch.minimum(torch.arange(t, device=dev), lens[:, None] - 1)
+
+    def take(self, name, idx, dev):
+        src = getattr(self, name)
+        return src[idx.to(src.device)].to(dev)
 
 
 # ----------------------------------------------------------------------------- steps
 
-def block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t, gamma, top_k, soft_weight=0.0):
-    """Losses of one sequence's blocks: (weighted token CE, selector CE, stats). With soft labels
-    and `soft_weight` > 0, the token loss mixes the hard CE with the cross-entropy to the target's
-    own top-K law (renormalised over its K most likely tokens): distillation, more signal per token."""
-    s, e, _ = seq
+def drafted(model, data, seqs, anchors, block, tok_embd, mask_id):
+    """The drafter on blocks at `anchors` [S, m] of sequences `seqs`: hidden rows and logits
+    [S*m, block, .], the anchor tokens [S*m] and the flat label rows [S*m, block-1] (block
+    position k's label is the target's greedy token after row anchor+k-1)."""
     dev = tok_embd.device
-    feats, toks, nxt = data.features[s:e].to(dev), data.tokens[s:e].to(dev), data.next[s:e].to(dev)
+    idx = data.rows(seqs, dev)
     anchors = anchors.to(dev)
+    feats = data.take("features", idx, dev).float()
+    toks = data.take("tokens", idx, dev)
     h, logits = model(feats, anchors, tok_embd, toks, mask_id, block)
     k = torch.arange(1, block, device=dev)
-    labels, on_path = block_labels(data, s, e, anchors, block, dev)
+    label_rows = (idx[:, :1] + anchors)[..., None] + k - 1
+    return h, logits, toks.gather(1, anchors).reshape(-1), label_rows.reshape(-1, block - 1)
+
+
+def block_losses(model, data, seqs, anchors, block, tok_embd, mask_id, t2d, d2t, gamma, top_k, soft_weight=0.0):
+    """Losses of the blocks at `anchors` [S, m] of sequences `seqs`: (weighted token CE, selector
+    CE, stats). With soft labels and `soft_weight` > 0, the token loss mixes the hard CE with the
+    cross-entropy to the target's own top-K law (renormalised over its K most likely tokens):
+    distillation, more signal per token."""
+    dev = tok_embd.device
+    h, logits, anchor_toks, rows = drafted(model, data, seqs, anchors, block, tok_embd, mask_id)
+    k = torch.arange(1, block, device=dev)
+    labels, on_path = block_labels(data, rows, dev)
     dl = t2d[labels]  # -1 where outside the draft vocabulary
-    lg = logits[:, 1:]
+    lg = logits[:, 1:].float()
     w = torch.exp(-(k.float() - 1) / gamma)[None, :].expand_as(dl)
     valid = (dl >= 0) & on_path
     ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), dl.clamp(min=0).reshape(-1), reduction="none").view_as(dl)
     tok_loss = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1e-6)
     if soft_weight > 0 and data.topk_ids is not None:
-        rows = anchors[:, None] + k[None, :] - 1 + s  # label rows, as in block_labels
-        tk = t2d[data.topk_ids[rows.cpu()].to(dev)]  # [m, block-1, K] draft rows, -1 outside
-        p = torch.softmax(data.topk_lp[rows.cpu()].to(dev), -1) * (tk >= 0)
+        tk = t2d[data.take("topk_ids", rows, dev)]  # [n, block-1, K] draft rows, -1 outside
+        p = torch.softmax(data.take("topk_lp", rows, dev).float(), -1) * (tk >= 0)
         logq = F.log_softmax(lg, -1).gather(-1, tk.clamp(min=0))
         soft = -(p * logq).sum(-1)
         soft_loss = (soft * w * on_path).sum() / (w * on_path).sum().clamp(min=1e-6)
@@ -407,11 +450,11 @@ def block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t, 
     sel_loss = torch.zeros((), device=dev)
     if model.dflash2:
         with torch.no_grad():
-            cand_d = lg.topk(top_k, dim=-1).indices  # [m, block-1, K] draft rows
+            cand_d = lg.topk(top_k, dim=-1).indices  # [n, block-1, K] draft rows
         cand = d2t[cand_d]
         unary = lg.gather(-1, cand_d).detach()
-        prev = torch.cat([toks[anchors][:, None], labels[:, :-1]], 1)  # true predecessors
-        pair = model.selector_scores(h[:, 1:], cand, prev[..., None])[..., 0, :]  # [m, block-1, K]
+        prev = torch.cat([anchor_toks[:, None], labels[:, :-1]], 1)  # true predecessors
+        pair = model.selector_scores(h[:, 1:].float(), cand, prev[..., None])[..., 0, :]  # [n, block-1, K]
         score = unary + pair
         hit = cand == labels[..., None]
         has = hit.any(-1) & on_path
@@ -423,18 +466,17 @@ def block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t, 
 
 
 @torch.no_grad()
-def block_labels(data, s, e, anchors, block, dev):
-    """Labels of the blocks at `anchors` of sequence [s, e): block position k's label is the
-    target's greedy token at anchor + k; `on_path` says where it is the target's own
-    continuation of the block (every earlier block token agrees, see Data.agree)."""
-    k = torch.arange(1, block, device=dev)
-    labels = data.next[s:e].to(dev)[anchors[:, None] + k[None, :] - 1]  # [m, block-1]
-    agree = data.agree[s:e].to(dev)[anchors[:, None] + k[None, :]]  # token a+k agrees
+def block_labels(data, rows, dev):
+    """Labels at flat label rows [n, block-1] (see `drafted`); `on_path` says where a label is the
+    target's own continuation of its block (every earlier block token agrees, see Data.agree)."""
+    labels = data.take("next", rows, dev)
+    agree = data.take("agree", rows + 1, dev)  # token a+k agrees
     # position 1 always; position k when tokens a+1 .. a+k-1 agree
     on_path = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1].long().cumprod(1).bool()], 1)
     return labels, on_path
 
 
+@torch.no_grad()
 def evaluate(model, data, seqs, block, tok_embd, mask_id, d2t, top_k, seed, per_seq=8):
     """Mean accepted length (tau, incl. the bonus token) of a greedy draft and, for DFlash 2,
     of the selector's greedy walk, on held-out anchors, as the engine's greedy verify counts it."""
@@ -446,23 +488,20 @@ def evaluate(model, data, seqs, block, tok_embd, mask_id, d2t, top_k, seed, per_
         lo = a0 - s
         if hi <= lo:
             continue
-        dev = tok_embd.device
-        anchors = torch.from_numpy(np.sort(rng.choice(np.arange(lo, hi), size=min(per_seq, hi - lo), replace=False))).to(dev)
-        toks = data.tokens[s:e].to(dev)
-        h, logits = model(data.features[s:e].to(dev), anchors, tok_embd, toks, mask_id, block)
-        labels, on_path = block_labels(data, s, e, anchors, block, dev)
+        anchors = torch.from_numpy(np.sort(rng.choice(np.arange(lo, hi), size=min(per_seq, hi - lo), replace=False)))
+        h, logits, prev, rows = drafted(model, data, [seq], anchors[None], block, tok_embd, mask_id)
+        labels, on_path = block_labels(data, rows, tok_embd.device)
         labels = torch.where(on_path, labels, -1)  # past a disagreement nothing counts
-        lg = logits[:, 1:]
+        lg = logits[:, 1:].float()
         greedy = d2t[lg.argmax(-1)]
         tau_arg += accepted(greedy, labels).sum().item()
         if model.dflash2:
             cand_d = lg.topk(top_k, dim=-1).indices
             cand = d2t[cand_d]
             unary = lg.gather(-1, cand_d)
-            prev = toks[anchors]
             path = []
             for p in range(block - 1):
-                sc = unary[:, p] + model.selector_scores(h[:, p + 1], cand[:, p], prev[:, None])[:, 0, :]
+                sc = unary[:, p] + model.selector_scores(h[:, p + 1].float(), cand[:, p], prev[:, None])[:, 0, :]
                 prev = cand[:, p].gather(-1, sc.argmax(-1, keepdim=True))[:, 0]
                 path.append(prev)
             tau_walk += accepted(torch.stack(path, 1), labels).sum().item()
@@ -477,7 +516,7 @@ def accepted(draft, labels):
 
 # ----------------------------------------------------------------------------- main
 
-def main():
+def parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target GGUF")
     ap.add_argument("--data", required=True, nargs="+", help="datasets from `dflash2 dataset` (same target and layers)")
@@ -496,7 +535,10 @@ def main():
     ap.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary (0: the full vocabulary)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--minutes", type=float, default=0, help="stop after this much training time (0: no limit)")
-    ap.add_argument("--blocks-per-step", type=int, default=32)
+    ap.add_argument("--blocks-per-step", type=int, default=32, help="blocks drawn from each sequence of a step")
+    ap.add_argument("--seqs-per-step", type=int, default=1,
+                    help="sequences per step (neighbours in length, padded together: a GPU wants many)")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CUDA)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--gamma", type=float, default=0, help="position decay (default 7 for block 16, 4 for 8)")
@@ -515,17 +557,25 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when there is one)")
-    args = ap.parse_args()
+    return ap
 
-    torch.manual_seed(args.seed)
+
+def main():
+    args = parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    tok_embd, head, rope_base, _ = load_target(args.target)
+    data = Data(args.data, args.val_fraction, args.seed, min_len=args.block + 2)
+    train(args, data, tok_embd, head, rope_base)
+
+
+def train(args, data, tok_embd, head, rope_base, deadline=None):
+    """The training run on `data` (resumable in --work), ending with the checkpoint in --out.
+    `deadline` (time.time()) stops it early, as --minutes does."""
+    torch.manual_seed(args.seed)
     work = args.work or os.path.join(args.out, ".state")
     os.makedirs(work, exist_ok=True)
-
-    tok_embd, head, rope_base, _ = load_target(args.target)
     n_vocab, n_embd_t = tok_embd.shape
-    data = Data(args.data, args.val_fraction, args.seed, min_len=args.block + 2)
     if data.topk_ids is not None and args.soft_weight > 0:
         print(f"soft labels: the target's top-{data.topk_ids.shape[1]} law, weight {args.soft_weight}", file=sys.stderr)
     meta = data.meta
@@ -653,26 +703,34 @@ def main():
     run = {"loss": 0.0, "sel": 0.0, "acc1": 0.0, "in_topk": 0.0, "n": 0}
     first_loss = None
     model.train()
+    by_len = sorted(data.train, key=lambda q: q[1] - q[0])
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     while step < args.steps:
-        if args.minutes and time.time() - t0 + elapsed_before > args.minutes * 60:
+        over = deadline is not None and time.time() > deadline
+        if over or (args.minutes and time.time() - t0 + elapsed_before > args.minutes * 60):
             print(f"time budget reached at step {step}", file=sys.stderr)
             break
         # block length: mostly the trained size, sometimes shorter (the engine drafts
         # shorter blocks when measured costs say so, and attention sees fewer masks then)
         block = int(rng.choice([args.block, max(2, args.block // 2), max(2, args.block // 4)], p=[0.6, 0.2, 0.2]))
-        seq = data.train[rng.integers(len(data.train))]
-        s, e_, _ = seq
+        if args.seqs_per_step == 1:
+            seqs = [data.train[rng.integers(len(data.train))]]
+        else:  # neighbours in length pad together with little waste
+            i = int(rng.integers(max(1, len(by_len) - args.seqs_per_step + 1)))
+            seqs = by_len[i:i + args.seqs_per_step]
         # any anchor with a context before it: prompts and plain text teach the same
         # function as answers, wherever their labels are the target's own path
-        lo, hi = 1, (e_ - s) - block + 1
-        if hi <= lo:
+        his = [(e_ - s) - block + 1 for s, e_, _ in seqs]
+        if min(his) <= 1:
             continue
-        m = min(args.blocks_per_step, hi - lo)
-        anchors = torch.from_numpy(np.sort(rng.choice(np.arange(lo, hi), size=m, replace=False)))
+        m = min(args.blocks_per_step, max(his) - 1)
+        anchors = torch.from_numpy(np.stack([np.sort(rng.choice(np.arange(1, hi), size=m, replace=hi - 1 < m))
+                                             for hi in his]))
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        tok_loss, sel_loss, stats = block_losses(model, data, seq, anchors, block, tok_embd, mask_id, t2d, d2t,
-                                                 gamma, top_k, args.soft_weight)
+        with autocast:
+            tok_loss, sel_loss, stats = block_losses(model, data, seqs, anchors, block, tok_embd, mask_id, t2d, d2t,
+                                                     gamma, top_k, args.soft_weight)
         loss = tok_loss + sel_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
