@@ -272,8 +272,15 @@ fn mutate_json(base: &Value, r: &mut ChaCha8Rng) -> Value {
 #[test]
 fn http_bodies_mutated_get_answers_or_openai_errors_and_the_server_keeps_serving() {
     let server = start_server();
-    let corpus: [(&str, Value); 7] = [
+    let tool = json!({ "type": "function", "function": { "name": "f", "parameters": { "type": "object", "properties": { "x": { "type": "integer" } } } } });
+    let corpus: [(&str, Value); 9] = [
         ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4 })),
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" },
+            { "role": "assistant", "content": null, "tool_calls": [{ "id": "c", "type": "function", "function": { "name": "f", "arguments": "{\"x\": 1}" } }] },
+            { "role": "tool", "tool_call_id": "c", "content": "2" }], "tools": [tool], "tool_choice": "required", "max_tokens": 8 })),
+        ("/v1/responses", json!({ "input": [{ "role": "user", "content": [{ "type": "input_text", "text": "hi" }] },
+            { "type": "function_call_output", "call_id": "c", "output": "2" }], "instructions": "Be brief.",
+            "tools": [{ "type": "function", "name": "f", "parameters": { "type": "object" } }], "max_output_tokens": 4, "stream": true })),
         ("/v1/completions", json!({ "prompt": "Once upon", "max_tokens": 4 })),
         ("/completion", json!({ "prompt": "Once upon", "n_predict": 4 })),
         ("/infill", json!({ "input_prefix": "def f(", "input_suffix": "\n", "n_predict": 4 })),

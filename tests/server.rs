@@ -852,6 +852,40 @@ fn infill_completes_code_between_prefix_and_suffix() {
     assert!(v["error"]["message"].as_str().unwrap().contains("missing field `text`"), "{v}");
 }
 
+/// `/v1/responses` is the chat path in the Responses API's shapes: the official SDK reads it
+/// whole, streamed (its events, and its own stream helper) and with message items, and the text
+/// is the chat completion's of the same conversation.
+#[test]
+fn the_responses_api_answers_as_the_chat_path_does() {
+    let d = drafter();
+    let server = Server::start("responses", &["-d", &d, "--block", "4"]);
+    let r = openai_scenario(&["responses", &server.base, MODEL]);
+    let (whole, chat) = (&r["whole"], &r["chat"]);
+    assert_eq!((whole["object"].as_str(), whole["text"].as_str()), (Some("response"), chat["text"].as_str()), "{r}");
+    assert_eq!((&whole["output_tokens"], &whole["input_tokens"]), (&chat["completion_tokens"], &chat["prompt_tokens"]), "{r}");
+    let cut = chat["finish"] == "length";
+    assert_eq!((whole["status"].as_str(), whole["incomplete"].as_str()), if cut { (Some("incomplete"), Some("max_output_tokens")) } else { (Some("completed"), None) }, "{r}");
+    for text in [&r["stream_text"], &r["helper"]["text"], &r["items_text"]] {
+        assert_eq!(text, &whole["text"], "{r}");
+    }
+    assert_eq!(r["helper"]["status"], whole["status"]);
+    let events: Vec<&str> = r["events"].as_array().unwrap().iter().map(|e| e.as_str().unwrap()).collect();
+    assert_eq!(events[..4], ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"], "{events:?}");
+    assert_eq!(events[events.len() - 4..], ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"], "{events:?}");
+    assert!(events.iter().filter(|e| **e == "response.output_text.delta").count() >= 2, "{events:?}");
+    assert_eq!(r["previous"], json!({ "status": 400, "param": "previous_response_id" }));
+    for (body, param) in [
+        (json!({ "input": [{ "type": "reasoning" }] }), "input[0].type"),
+        (json!({ "input": "hi", "max_output_tokens": 0 }), "max_output_tokens"),
+        (json!({ "input": "hi", "tools": [{ "type": "web_search" }] }), "tools[0].type"),
+        (json!({ "input": "hi", "text": { "format": { "type": "json_object" } } }), "text.format"),
+    ] {
+        let (code, v) = server.post("/v1/responses", &body.to_string());
+        assert_eq!((code, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+    }
+    server.wait_idle();
+}
+
 /// The one call of a chat answer that called tools: (name, arguments parsed).
 fn tool_call(answer: &Value) -> (String, Value) {
     let calls = answer["choices"][0]["message"]["tool_calls"].as_array().unwrap_or_else(|| panic!("no tool_calls: {answer}"));
@@ -915,6 +949,7 @@ fn tool_calls_come_back_in_openai_shape_on_real_models() {
     let answer = &r["answer"];
     assert!(answer["content"].as_str().is_some_and(|c| !c.trim().is_empty()) && answer["calls"] == json!([]), "{r}");
     assert_eq!(r["malformed"], json!({ "status": 400, "param": "tools[0].function.name" }));
+    assert_eq!(r["responses"], json!([["function_call", call[0], call[1]]]), "{r}");
 
     for (body, param) in [
         (json!({ "messages": ask, "tool_choice": "required" }), "tool_choice"),

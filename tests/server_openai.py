@@ -6,6 +6,7 @@ Each scenario prints one JSON object on stdout; the Rust test makes the assertio
     server_openai.py load BASE PLAIN_BASE MODEL REQUESTS.json CLIENTS
     server_openai.py auth BASE MODEL KEY
     server_openai.py tools BASE MODEL
+    server_openai.py responses BASE MODEL
 """
 import json
 import re
@@ -263,11 +264,52 @@ def tools(base, model):
     follow = messages + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18 C and sunny"}]
     r = c.chat.completions.create(model=model, messages=follow, tools=[WEATHER], tool_choice="none", max_tokens=24, temperature=0)
     out["answer"] = {"content": r.choices[0].message.content, "calls": calls_of(r.choices[0].message), "finish": r.choices[0].finish_reason}
+    flat = [{"type": "function", **WEATHER["function"]}]
+    r = c.responses.create(model=model, input=messages[0]["content"], tools=flat, tool_choice="required", max_output_tokens=48, temperature=0)
+    out["responses"] = [(o.type, o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
     try:
         c.chat.completions.create(model=model, messages=messages, tools=[{"type": "function", "function": {"description": "x"}}])
         out["malformed"] = None
     except openai.BadRequestError as e:
         out["malformed"] = {"status": e.status_code, "param": e.param}
+    print(json.dumps(out))
+
+
+def responses(base, model):
+    """The Responses API through the SDK: whole, streamed (raw events and the SDK's helper), with
+    message items, and the chat completion of the same conversation to compare with."""
+    c = client(base)
+    kw = dict(model=model, instructions="Be brief.", max_output_tokens=16, temperature=0)
+    story = "Tell me a story."
+    out = {}
+    r = c.responses.create(input=story, **kw)
+    reason = r.incomplete_details.reason if r.incomplete_details else None
+    out["whole"] = {"text": r.output_text, "status": r.status, "object": r.object, "incomplete": reason,
+                    "output_tokens": r.usage.output_tokens, "input_tokens": r.usage.input_tokens}
+    types, deltas = [], []
+    for e in c.responses.create(input=story, stream=True, **kw):
+        types.append(e.type)
+        if e.type == "response.output_text.delta":
+            deltas.append(e.delta)
+    out["events"], out["stream_text"] = types, "".join(deltas)
+    with c.responses.stream(input=story, **kw) as s:
+        for _ in s:
+            pass
+        final = s.get_final_response()
+    out["helper"] = {"text": final.output_text, "status": final.status}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": story}]}]
+    out["items_text"] = c.responses.create(input=items, **kw).output_text
+    chat = c.chat.completions.create(
+        model=model, max_tokens=16, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": story}],
+    )
+    out["chat"] = {"text": chat.choices[0].message.content, "finish": chat.choices[0].finish_reason,
+                   "completion_tokens": chat.usage.completion_tokens, "prompt_tokens": chat.usage.prompt_tokens}
+    try:
+        c.responses.create(input=story, previous_response_id="resp_1", **kw)
+        out["previous"] = None
+    except openai.BadRequestError as e:
+        out["previous"] = {"status": e.status_code, "param": e.param}
     print(json.dumps(out))
 
 
@@ -281,5 +323,7 @@ if __name__ == "__main__":
         auth(*args)
     elif cmd == "tools":
         tools(*args)
+    elif cmd == "responses":
+        responses(*args)
     else:
         sys.exit("unknown scenario " + cmd)

@@ -8,6 +8,7 @@ pub mod fields;
 pub mod infill;
 pub mod logprobs;
 pub mod metrics;
+pub mod responses;
 pub mod routes;
 pub mod scheduler;
 pub mod tools;
@@ -99,6 +100,8 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/v1/chat/completions/input_tokens", post(routes::chat_input_tokens))
         .route("/v1/completions", post(routes::completions))
         .route("/completions", post(routes::completions))
+        .route("/v1/responses", post(responses::responses))
+        .route("/responses", post(responses::responses))
         .route("/completion", post(routes::llama_completion))
         .route("/infill", post(routes::infill))
         .route("/apply-template", post(routes::apply_template))

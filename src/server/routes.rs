@@ -326,6 +326,19 @@ async fn generate(
     reply: Reply,
     stream: bool,
 ) -> Result<Response, ApiError> {
+    let events = submit(s, prompt, opts, n)?;
+    if stream {
+        return Ok(reply.stream(events));
+    }
+    let mut gens = Vec::with_capacity(n);
+    for rx in events {
+        gens.push(collect(rx).await?);
+    }
+    Ok(reply.whole(&gens))
+}
+
+/// Queue `n` generations of a checked prompt; their events, in order.
+pub(super) fn submit(s: &AppState, prompt: Vec<Token>, opts: GenerateOptions, n: usize) -> Result<Vec<mpsc::Receiver<GenEvent>>, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
     }
@@ -344,14 +357,7 @@ async fn generate(
         })?;
         events.push(rx);
     }
-    if stream {
-        return Ok(reply.stream(events));
-    }
-    let mut gens = Vec::with_capacity(n);
-    for rx in events {
-        gens.push(collect(rx).await?);
-    }
-    Ok(reply.whole(&gens))
+    Ok(events)
 }
 
 /// OpenAI's `n`: how many choices (1 when absent).
@@ -368,7 +374,7 @@ const MAX_CHOICES: usize = 16;
 /// The request's generation options over the server's defaults, each value range-checked.
 /// No `max_tokens` (named `max_name` in the request) means: until the end of generation or of
 /// the context.
-fn options(
+pub(super) fn options(
     s: &AppState,
     f: SamplingFields,
     max_tokens: Option<i64>,
@@ -483,7 +489,7 @@ fn chat_tools(s: &AppState, req: &ChatRequest) -> Result<Option<Tools>, ApiError
 }
 
 /// The prompt tokens of a chat request, rendered with the served template.
-async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>) -> Result<Vec<Token>, ApiError> {
+pub(super) async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>) -> Result<Vec<Token>, ApiError> {
     let text = render_chat(s, messages, tools)?;
     let model = s.model().clone();
     blocking(move || model.tokenize(&text, true, true)).await
@@ -551,7 +557,7 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::invalid(e.to_string()))
 }
 
-fn now() -> u64 {
+pub(super) fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -574,9 +580,8 @@ struct Reply {
     logprobs: bool,
     /// Characters of text streamed so far (OpenAI's legacy `text_offset`).
     streamed_chars: std::sync::Mutex<Vec<usize>>,
-    /// Per choice of a streamed chat with tools: the answer so far, and the bytes of it sent
-    /// as content.
-    tool_text: std::sync::Mutex<Vec<(String, usize)>>,
+    /// Per choice of a streamed chat with tools: its content so far.
+    tool_text: std::sync::Mutex<Vec<tools::ContentStream>>,
 }
 
 impl Reply {
@@ -741,8 +746,8 @@ impl Reply {
             Shape::Chat { tools: Some(t), .. } => {
                 // The rest of the content, then the calls whole, then the end.
                 let parsed = t.parse(&g.text);
-                let shown = self.tool_text.lock().expect("never poisoned: no panics inside").get(index).map_or(0, |h| h.1);
-                let rest = parsed.content.as_deref().and_then(|c| c.get(shown..)).unwrap_or_default();
+                let held = self.tool_text.lock().expect("never poisoned: no panics inside").get(index).cloned().unwrap_or_default();
+                let rest = parsed.content.as_deref().map(|c| held.rest(c)).unwrap_or_default();
                 let mut out = Vec::new();
                 if !rest.is_empty() {
                     out.push(event(&self.chat_delta(index, None, Some(Some(rest.to_string())), None, None)));
@@ -819,14 +824,9 @@ impl Reply {
     fn shown_content(&self, tools: &Tools, index: usize, text: &str) -> String {
         let mut held = self.tool_text.lock().expect("never poisoned: no panics inside");
         if held.len() <= index {
-            held.resize(index + 1, (String::new(), 0));
+            held.resize(index + 1, Default::default());
         }
-        let (all, shown) = &mut held[index];
-        all.push_str(text);
-        let end = tools.shown_prefix(all).max(*shown);
-        let out = all[*shown..end].to_string();
-        *shown = end;
-        out
+        held[index].push(tools, text)
     }
 
     fn text_piece(&self, index: usize, text: String, finish: Option<&'static str>) -> TextCompletion {
@@ -883,7 +883,7 @@ fn stopping_word(model: &Model, g: &Generation, stops: &[String]) -> String {
         .unwrap_or_default()
 }
 
-async fn collect(mut events: mpsc::Receiver<GenEvent>) -> Result<Generation, ApiError> {
+pub(super) async fn collect(mut events: mpsc::Receiver<GenEvent>) -> Result<Generation, ApiError> {
     while let Some(e) = events.recv().await {
         match e {
             GenEvent::Tokens { .. } => {}

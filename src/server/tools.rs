@@ -252,6 +252,29 @@ impl Tools {
     }
 }
 
+/// A streamed answer's content while calls may come: what arrived, and how much of it went out.
+#[derive(Debug, Clone, Default)]
+pub struct ContentStream {
+    all: String,
+    shown: usize,
+}
+
+impl ContentStream {
+    /// The part of the answer grown by `text` that is surely content, not sent before.
+    pub fn push(&mut self, tools: &Tools, text: &str) -> String {
+        self.all.push_str(text);
+        let end = tools.shown_prefix(&self.all).max(self.shown);
+        let out = self.all[self.shown..end].to_string();
+        self.shown = end;
+        out
+    }
+
+    /// What is left to send of the finished answer's `content`.
+    pub fn rest<'a>(&self, content: &'a str) -> &'a str {
+        content.get(self.shown..).unwrap_or_default()
+    }
+}
+
 /// `<tool_call>{json}</tool_call>` blocks among text; the last block may lack its end tag (the
 /// answer ended there). `None` when a block does not hold a call.
 fn parse_hermes(text: &str) -> Option<Parsed> {
@@ -442,6 +465,12 @@ mod tests {
         assert_eq!(t.shown_prefix("a < b"), "a < b".len());
         let text = "Sure. <tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call>";
         assert!(t.parse(text).content.unwrap().starts_with(&text[..t.shown_prefix(text)]));
+        // streamed in pieces, the content adds up to the parsed one
+        let mut stream = ContentStream::default();
+        let sent: String = text.as_bytes().chunks(3).map(|c| stream.push(&t, std::str::from_utf8(c).unwrap())).collect();
+        let content = t.parse(text).content.unwrap();
+        assert_eq!(format!("{sent}{}", stream.rest(&content)), content);
+        assert_eq!(sent, "Sure. ");
         assert_eq!(tools(json!("auto"), Format::Generic { native: false }).shown_prefix("{\"response\": \"a"), 0);
     }
 
