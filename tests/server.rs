@@ -874,6 +874,8 @@ fn the_responses_api_answers_as_the_chat_path_does() {
     assert_eq!(events[events.len() - 4..], ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"], "{events:?}");
     assert!(events.iter().filter(|e| **e == "response.output_text.delta").count() >= 2, "{events:?}");
     assert_eq!(r["previous"], json!({ "status": 400, "param": "previous_response_id" }));
+    let count = server.post_ok("/v1/responses/input_tokens", json!({ "input": "Tell me a story.", "instructions": "Be brief." }));
+    assert_eq!((count["object"].as_str(), &count["input_tokens"]), (Some("response.input_tokens"), &whole["input_tokens"]), "{count}");
     for (body, param) in [
         (json!({ "input": [{ "type": "reasoning" }] }), "input[0].type"),
         (json!({ "input": "hi", "max_output_tokens": 0 }), "max_output_tokens"),

@@ -102,6 +102,7 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/completions", post(routes::completions))
         .route("/v1/responses", post(responses::responses))
         .route("/responses", post(responses::responses))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
         .route("/completion", post(routes::llama_completion))
         .route("/infill", post(routes::infill))
         .route("/apply-template", post(routes::apply_template))

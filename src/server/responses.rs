@@ -5,10 +5,10 @@
 //! events (`response.created` ... `response.output_text.delta` ... `response.completed`).
 //! Nothing is stored: a conversation is sent whole, never by `previous_response_id`.
 use super::errors::ApiError;
-use super::routes::{chat_prompt, collect, now, options, submit, Sampled};
+use super::routes::{chat_prompt, collect, now, options, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
-use super::types::{ChatMessageIn, FunctionCallIn, MessageContent, ToolCallIn};
+use super::types::{ChatMessageIn, FunctionCallIn, InputTokens, MessageContent, ToolCallIn};
 use super::AppState;
 use crate::engine::{FinishReason, Generation};
 use axum::extract::State;
@@ -41,38 +41,53 @@ pub struct ResponsesRequest {
 }
 
 pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): Sampled<ResponsesRequest>) -> Result<Response, ApiError> {
-    if req.previous_response_id.is_some() {
-        return Err(ApiError::invalid_param("previous_response_id", "responses are not stored here: send the whole conversation in `input`"));
-    }
-    if let Some(format) = req.text.as_ref().and_then(|t| t.get("format")).filter(|f| f["type"] != "text") {
-        return Err(ApiError::invalid_param("text.format", format!("`text.format` = {format}: only text is offered on this route (chat completions take `response_format`)")));
-    }
+    let (messages, tools) = chat_request(&s, &req)?;
     let mut opts = options(&s, sampling, req.max_output_tokens, "max_output_tokens")?;
-    let tools = Tools::new(
-        chat_tools(req.tools.as_ref())?.as_ref(),
-        req.tool_choice.as_ref().map(chat_tool_choice).as_ref(),
-        req.parallel_tool_calls,
-        tools::Format::of(&s.template),
-    )?;
-    if let Some(t) = tools.as_ref().filter(|t| t.active()) {
-        if opts.grammar.is_some() {
-            return Err(ApiError::invalid_param("tools", "give `tools` or a `grammar` / `json_schema` / `response_format`, not both"));
-        }
-        opts.grammar = t.grammar()?;
+    if let Some(t) = &tools {
+        t.constrain(&mut opts.grammar)?;
     }
-    let prompt = chat_prompt(&s, messages(req.instructions, &req.input)?, tools.as_ref()).await?;
+    let prompt = chat_prompt(&s, messages, tools.as_ref()).await?;
     let mut events = submit(&s, prompt, opts, 1)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
         id: format!("resp_{:016x}", rand::random::<u64>()),
         created_at: now(),
         model: s.model_id().to_string(),
+        // the request's settings, as OpenAI's response object repeats them
+        echo: json!({ "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "tools": req.tools.unwrap_or_else(|| json!([])), "tool_choice": req.tool_choice.unwrap_or_else(|| json!("auto")),
+            "parallel_tool_calls": tools.as_ref().is_some_and(|t| t.parallel) }),
         tools: tools.filter(Tools::active),
     };
     match req.stream.unwrap_or(false) {
         true => Ok(answer.stream(rx)),
         false => Ok(Json(answer.object(Some(&collect(rx).await?))).into_response()),
     }
+}
+
+/// `POST /v1/responses/input_tokens` (llama-server's): how many prompt tokens a Responses
+/// request's body would decode.
+pub async fn input_tokens(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<ResponsesRequest>) -> Result<Json<InputTokens>, ApiError> {
+    let (messages, tools) = chat_request(&s, &req)?;
+    let prompt = chat_prompt(&s, messages, tools.as_ref()).await?;
+    Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
+}
+
+/// A Responses request as the chat path takes it: its conversation and its tools.
+fn chat_request(s: &AppState, req: &ResponsesRequest) -> Result<(Vec<ChatMessageIn>, Option<Tools>), ApiError> {
+    if req.previous_response_id.is_some() {
+        return Err(ApiError::invalid_param("previous_response_id", "responses are not stored here: send the whole conversation in `input`"));
+    }
+    if let Some(format) = req.text.as_ref().and_then(|t| t.get("format")).filter(|f| f["type"] != "text") {
+        return Err(ApiError::invalid_param("text.format", format!("`text.format` = {format}: only text is offered on this route (chat completions take `response_format`)")));
+    }
+    let tools = Tools::new(
+        chat_tools(req.tools.as_ref())?.as_ref(),
+        req.tool_choice.as_ref().map(chat_tool_choice).as_ref(),
+        req.parallel_tool_calls,
+        tools::Format::of(&s.template),
+    )?;
+    Ok((messages(req.instructions.clone(), &req.input)?, tools))
 }
 
 /// The Responses API's function tools (`{"type": "function", "name", ..}`) in chat's shape.
@@ -173,11 +188,13 @@ fn messages(instructions: Option<String>, input: &Value) -> Result<Vec<ChatMessa
     Ok(out)
 }
 
-/// One response being answered: its ids, and the tools its calls are parsed for.
+/// One response being answered: its ids, the request's settings it repeats, and the tools its
+/// calls are parsed for.
 struct Answer {
     id: String,
     created_at: u64,
     model: String,
+    echo: Value,
     tools: Option<Tools>,
 }
 
@@ -222,9 +239,12 @@ impl Answer {
                 (if cut { "incomplete" } else { "completed" }, self.output(&self.parse(g)), usage, incomplete)
             }
         };
-        json!({ "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
-            "output": output, "usage": usage, "incomplete_details": incomplete, "error": null,
-            "parallel_tool_calls": self.tools.as_ref().is_some_and(|t| t.parallel), "tool_choice": "auto", "tools": [] })
+        let mut object = json!({ "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": output, "usage": usage, "incomplete_details": incomplete, "error": null });
+        if let (Some(o), Some(echo)) = (object.as_object_mut(), self.echo.as_object()) {
+            o.extend(echo.clone());
+        }
+        object
     }
 
     /// The Responses API's events: created, in progress, the message's text as it comes (opened

@@ -249,11 +249,8 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
         _ => None,
     };
     let tools = chat_tools(&s, &req)?;
-    if let Some(t) = tools.as_ref().filter(|t| t.active()) {
-        if opts.grammar.is_some() {
-            return Err(ApiError::invalid_param("tools", "give `tools` or a `grammar` / `json_schema` / `response_format`, not both"));
-        }
-        opts.grammar = t.grammar()?;
+    if let Some(t) = &tools {
+        t.constrain(&mut opts.grammar)?;
     }
     let prompt = chat_prompt(&s, req.messages, tools.as_ref()).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);

@@ -159,11 +159,24 @@ impl Tools {
         }
     }
 
+    /// Sets the grammar of a request whose calls are parsed (refused beside a grammar of the
+    /// request's own, as llama.cpp refuses it).
+    pub fn constrain(&self, grammar: &mut Option<String>) -> Result<(), ApiError> {
+        if !self.active() {
+            return Ok(());
+        }
+        if grammar.is_some() {
+            return Err(ApiError::invalid_param("tools", "give `tools` or a `grammar` / `json_schema` / `response_format`, not both"));
+        }
+        *grammar = self.grammar()?;
+        Ok(())
+    }
+
     /// The grammar that holds the answer to the calls asked for: always in the generic format
     /// (its answer is JSON), for `required` or a named function with Hermes. `auto` with Hermes
     /// is free text (llama.cpp's grammar there is lazy, started by `<tool_call>`; this server's
     /// grammars hold from the first token).
-    pub fn grammar(&self) -> Result<Option<String>, ApiError> {
+    fn grammar(&self) -> Result<Option<String>, ApiError> {
         let schema = match (self.format, &self.choice) {
             (_, Choice::None) | (Format::Hermes, Choice::Auto) => return Ok(None),
             (Format::Generic { .. }, _) => self.generic_schema(),
