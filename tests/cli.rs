@@ -216,3 +216,29 @@ fn quantize_refuses_a_silent_requantize_and_writes_a_loadable_model() {
     let g: serde_json::Value = serde_json::from_slice(&g.stdout).unwrap();
     assert_eq!(g["n_generated"], 8);
 }
+
+#[test]
+fn inspect_costs_times_each_piece_of_a_cycle_and_refuses_a_target_alone() {
+    let (target, drafter) = (path("target.gguf"), path("drafter-dflash2.gguf"));
+    let out = dflash2(&["inspect", &drafter, "--target", &target, "--costs", "--context", "64", "-t", "1", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let step = j["target_step_ms"].as_f64().unwrap();
+    assert!(step > 0.0, "{j}");
+    assert_eq!(j["context"], 64);
+    let rows = |key: &str| -> Vec<u64> { j[key].as_array().unwrap().iter().map(|r| r["n"].as_u64().unwrap()).collect() };
+    assert_eq!(rows("inject"), [1, 2, 4, 8]);
+    // every block size up to the drafter's trained one (the synthetic drafter's is 16)
+    assert_eq!(rows("draft"), [2, 4, 8, 16]);
+    for r in j["draft"].as_array().unwrap() {
+        let (ms, steps) = (r["ms"].as_f64().unwrap(), r["steps"].as_f64().unwrap());
+        assert!(ms > 0.0 && (steps - ms / step).abs() < 1e-9, "{r}");
+    }
+    // FILE must be the drafter, and the costs need its target
+    let wrong = dflash2(&["inspect", &target, "--target", &target, "--costs"]);
+    assert!(!wrong.status.success());
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("is not a DFlash drafter"), "{}", String::from_utf8_lossy(&wrong.stderr));
+    let alone = dflash2(&["inspect", &drafter, "--costs"]);
+    assert!(!alone.status.success());
+    assert!(String::from_utf8_lossy(&alone.stderr).contains("--target"), "{}", String::from_utf8_lossy(&alone.stderr));
+}

@@ -2,6 +2,7 @@
 //! target, whether FILE can draft for it. A failed pairing is an error (non-zero exit) whose
 //! message names the field and both values. `--check` loads a target and probes whether its
 //! verify batches reproduce single-token steps bit for bit, with weight repacking on and off.
+//! `--costs` (FILE a drafter, with `--target`) times a cycle's pieces on this machine.
 
 use std::path::PathBuf;
 
@@ -42,6 +43,13 @@ pub struct InspectArgs {
     /// Layers to offload to a GPU during the probe (GPU builds only)
     #[arg(long = "gpu-layers", default_value_t = 999)]
     pub gpu_layers: i32,
+    /// With --target (FILE is the drafter): time the target's single step and the drafter's
+    /// feature injection and block decode at each block size, as the engine runs them
+    #[arg(long, requires = "target")]
+    pub costs: bool,
+    /// Tokens of context before the timed steps (`--costs`)
+    #[arg(long, default_value_t = 256)]
+    pub context: usize,
 }
 
 pub fn run(args: &InspectArgs) -> Result<()> {
@@ -49,6 +57,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     let model = ModelInfo::from_gguf(&gguf)?;
     if args.check {
         return check(args, &model);
+    }
+    if args.costs {
+        return costs(args, &model);
     }
     let target = args.target.as_deref().map(read_model_info).transpose()?;
     let verdict = target.as_ref().map(|t| check_pair(t, &model));
@@ -241,4 +252,106 @@ fn median_probe(mut runs: Vec<crate::target::Probe>) -> crate::target::Probe {
         }
     }
     p
+}
+
+/// `--costs`: what one speculative cycle's pieces cost here, at `--context` tokens of context,
+/// with the engine's settings (threads, cache types), medians of 30: the target's single step
+/// (what plain decoding pays per token), the drafter's injection of 1..8 rows of target features
+/// (the tokens a cycle accepted) and its block decode at each block size. A drafter call pays off
+/// only while it is a small share of a step (issue #18 asks <= 0.25 at block 8).
+fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
+    use crate::draft::drafter::Drafter;
+    use crate::engine::CacheTypes;
+    use crate::llama::{Batch, Context, ContextParams, Model, ModelParams};
+    use std::sync::Arc;
+    use std::time::Instant;
+    let Some(dflash) = &info.dflash else {
+        anyhow::bail!("{} is not a DFlash drafter: --costs times a drafter against its --target", args.file.display());
+    };
+    let target_path = args.target.as_ref().expect("clap requires --target with --costs");
+    let gpu = ModelParams { n_gpu_layers: args.gpu_layers, ..ModelParams::default() };
+    let target = Arc::new(Model::load(target_path, &gpu)?);
+    let drafter = Arc::new(Model::load(&args.file, &gpu)?);
+    let n = args.context.max(1);
+    let params = ContextParams {
+        n_ctx: n + 64,
+        n_threads: args.threads,
+        flash_attn: false,
+        adapt_threads: false,
+        ..ContextParams::default()
+    };
+    let mut tctx = Context::new(target.clone(), &params, None)?;
+    let text = "The quick brown fox jumps over the lazy dog, and the speculative decoder drafts a block. ";
+    let mut tokens = target.tokenize(&text.repeat(n / 8 + 1), true, false)?;
+    tokens.truncate(n);
+    let mut batch = Batch::tokens(params.n_batch.max(1), 1);
+    for (c, chunk) in tokens.chunks(params.n_batch.max(1)).enumerate() {
+        batch.clear();
+        for (i, &t) in chunk.iter().enumerate() {
+            batch.add_token(t, (c * params.n_batch + i) as i32, &[0], c * params.n_batch + i + 1 == n)?;
+        }
+        tctx.decode(&batch, "costs prefill")?;
+    }
+    const RUNS: usize = 30;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let timed = |f: &mut dyn FnMut() -> crate::llama::Result<()>| -> Result<f64> {
+        let mut ms = Vec::with_capacity(RUNS);
+        for _ in 0..RUNS {
+            let t = Instant::now();
+            f()?;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok(median(ms))
+    };
+    let step = timed(&mut || {
+        batch.clear();
+        batch.add_token(tokens[n - 1], n as i32, &[0], true)?;
+        tctx.decode(&batch, "costs step")?;
+        tctx.seq_rm(0, n as i32, -1)
+    })?;
+
+    let caches = CacheTypes::default();
+    let mut d = Drafter::new(drafter, &tctx, 1, args.threads, caches.draft_k, caches.draft_v)?;
+    let w = d.feature_width();
+    // any values: the drafter's cost does not depend on them (its norms take out the scale)
+    let rows: Vec<f32> = (0..w * (n + 8)).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    d.inject(&rows[..w * n], 0, 0)?;
+    let mut inject = Vec::new();
+    for k in [1usize, 2, 4, 8] {
+        let ms = timed(&mut || {
+            d.inject(&rows[w * n..w * (n + k)], n, 0)?;
+            d.truncate(0, n)
+        })?;
+        inject.push((k, ms));
+    }
+    let mut draft = Vec::new();
+    let trained = dflash.block_size.unwrap_or(16) as usize;
+    for b in [2usize, 4, 8, 16, 32].into_iter().filter(|&b| b <= trained.max(2)) {
+        let ms = timed(&mut || d.draft(&[(tokens[n - 1], n, 0)], b).map(|_| ()))?;
+        draft.push((b, ms));
+    }
+    if args.json {
+        let rows = |v: &[(usize, f64)]| -> Vec<serde_json::Value> {
+            v.iter().map(|&(k, ms)| serde_json::json!({ "n": k, "ms": ms, "steps": ms / step })).collect()
+        };
+        let out = serde_json::json!({ "target": target_path, "drafter": args.file, "context": n, "threads": args.threads,
+            "system_info": crate::llama::system_info(), "target_step_ms": step,
+            "inject": rows(&inject), "draft": rows(&draft) });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("{} drafting for {}, {n} tokens of context, {} threads, medians of {RUNS}",
+        args.file.display(), target_path.display(), args.threads);
+    println!("target single step: {step:.2} ms");
+    println!("{:<22} {:>5} {:>9} {:>13}", "drafter", "rows", "ms", "x target step");
+    for (k, ms) in &inject {
+        println!("{:<22} {k:>5} {ms:>9.2} {:>13.2}", "feature injection", ms / step);
+    }
+    for (b, ms) in &draft {
+        println!("{:<22} {b:>5} {ms:>9.2} {:>13.2}", "block decode", ms / step);
+    }
+    Ok(())
 }
