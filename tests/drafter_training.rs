@@ -18,17 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-fn python() -> PathBuf {
-    let p = std::env::var_os("DFLASH2_TRAIN_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
-    assert!(p.is_file(), "{} is missing: run `bash tests/support/setup.sh` (it makes the training venv)", p.display());
-    p
-}
-
-fn script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/train").join(name)
-}
+use common::{train_python as python, train_script as script};
 
 fn run(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();

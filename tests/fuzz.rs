@@ -1,6 +1,8 @@
 //! Inputs nobody thought of: seeded mutation fuzzing of the parsers of outside bytes. GGUF files
 //! (the pre-scan and pairing check in-process; the whole llama.cpp load in a child process for
-//! the mutants the pre-scan lets through) and HTTP request bodies against the real server.
+//! the mutants the pre-scan lets through), HTTP request bodies against the real server, and the
+//! drafter recipe's inputs: `dataset`'s conversation JSONL and `convert`'s checkpoint (config.json,
+//! the safetensors header), each converted mutant that passes loaded by llama.cpp too.
 //! Nothing may panic, abort or hang; every refusal is a clear error. A short run is part of the
 //! suite; `DFLASH2_FUZZ_ITERS=N` (and `DFLASH2_FUZZ_SEED`) runs a longer campaign.
 mod common;
@@ -167,6 +169,142 @@ fn run_bounded(mut cmd: Command, limit: Duration) -> std::process::Output {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+// ---- training inputs -----------------------------------------------------------------------
+
+/// `dflash2 ARGS` in a child process, bounded: it exits 0, or 1 with an `error:` line; never a
+/// panic (exit 101), an abort (a signal) or a hang. Returns whether it succeeded.
+fn cli_survives(args: &[&std::ffi::OsStr], what: &str) -> bool {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash2"));
+    cmd.args(args);
+    let out = run_bounded(cmd, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let code = out.status.code();
+    assert!(
+        matches!(code, Some(0) | Some(1)) && !stderr.contains("panicked"),
+        "{what}: {:?}\n{}",
+        out.status,
+        tail(&stderr)
+    );
+    if code == Some(1) {
+        assert!(stderr.contains("error:"), "{what}: a failure without a message:\n{}", tail(&stderr));
+    }
+    code == Some(0)
+}
+
+#[test]
+fn training_inputs_mutated_get_errors_and_converted_mutants_load() {
+    let dir = common::scratch_dir("fuzz-training");
+    let target = models().join("target.gguf");
+    let os = |p: &Path| p.as_os_str().to_owned();
+    // a valid base: conversations, their dataset, a checkpoint trained one step on it
+    let rows: Vec<Value> = (0..6)
+        .map(|i| json!({"prompt": format!("question {i} about the fox"), "answer": "the quick brown fox jumps over the lazy dog ".repeat(3)}))
+        .chain([json!({"text": "once upon a time there was a little model that drafted blocks"})])
+        .collect();
+    let lines = |rows: &[Value]| rows.iter().map(|r| r.to_string() + "\n").collect::<String>();
+    let conv = dir.join("conversations.jsonl");
+    std::fs::write(&conv, lines(&rows)).unwrap();
+    let data = dir.join("base.safetensors");
+    let dataset = |conv: &Path, out: &Path| -> Vec<std::ffi::OsString> {
+        ["dataset", "-m"].map(Into::into).into_iter().chain([os(&target)]).chain(["--conversations".into(), os(conv), "--out".into(), os(out)])
+            .chain(["--layers", "1,2", "-t", "1"].map(Into::into)).collect()
+    };
+    let base: Vec<_> = dataset(&conv, &data);
+    assert!(cli_survives(&base.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), "the base dataset"), "the base dataset failed");
+    let ck = dir.join("ckpt");
+    let out = Command::new(common::train_python())
+        .arg(common::train_script("train.py"))
+        .args([os(&"--target".as_ref()), os(&target), os(&"--data".as_ref()), os(&data), os(&"--out".as_ref()), os(&ck)])
+        .args(["--layers", "1", "--rank", "8", "--top-k", "4", "--draft-vocab", "64", "--steps", "1", "--threads", "1", "--eval-every", "100"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "train.py: {}", String::from_utf8_lossy(&out.stderr));
+    let config: Value = serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+    let weights = std::fs::read(ck.join("model.safetensors")).unwrap();
+    let header = 8 + u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+
+    let mut r = rng(0x7a11);
+    let (n, mut refused) = (iters(40), [0usize; 2]);
+    for i in 0..n {
+        // conversations: rows with fields replaced or removed, or damaged bytes
+        let file = dir.join(format!("conv-{}.jsonl", i % 4));
+        if r.gen_bool(0.5) {
+            let mutated: Vec<Value> = rows.iter().map(|row| if r.gen_bool(0.4) { mutate_row(row, &mut r) } else { row.clone() }).collect();
+            std::fs::write(&file, lines(&mutated)).unwrap();
+        } else {
+            let bytes = lines(&rows).into_bytes();
+            std::fs::write(&file, mutate(&bytes, bytes.len(), &mut r)).unwrap();
+        }
+        let args = dataset(&file, &dir.join("mutant.safetensors"));
+        let ok = cli_survives(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &format!("dataset mutant {i}"));
+        refused[0] += usize::from(!ok);
+
+        // the checkpoint: config values replaced, or the safetensors header damaged
+        let m = dir.join("ckpt-mutant");
+        std::fs::create_dir_all(&m).unwrap();
+        if r.gen_bool(0.5) {
+            std::fs::write(m.join("config.json"), mutate_config(&config, &mut r).to_string()).unwrap();
+            std::fs::write(m.join("model.safetensors"), &weights).unwrap();
+        } else {
+            std::fs::write(m.join("config.json"), config.to_string()).unwrap();
+            std::fs::write(m.join("model.safetensors"), mutate(&weights, header, &mut r)).unwrap();
+        }
+        let gguf = dir.join("mutant.gguf");
+        let _ = std::fs::remove_file(&gguf);
+        let args = [os(&"convert".as_ref()), os(&"--from".as_ref()), os(&m), os(&"--target".as_ref()), os(&target), os(&"--out".as_ref()), os(&gguf)];
+        if cli_survives(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &format!("convert mutant {i}")) {
+            // what convert accepts, llama.cpp loads and drafts with, or refuses with an error
+            let run = ["generate", "-n", "2", "-t", "1", "-p", "hello", "--block", "4", "-m"].map(std::ffi::OsString::from);
+            let args: Vec<_> = run.into_iter().chain([os(&target), "-d".into(), os(&gguf)]).collect();
+            cli_survives(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &format!("converted mutant {i}"));
+        } else {
+            refused[1] += 1;
+            assert!(!gguf.exists(), "convert mutant {i}: a failed conversion left {}", gguf.display());
+        }
+    }
+    eprintln!("{n} dataset mutants ({} refused), {n} checkpoint mutants ({} refused)", refused[0], refused[1]);
+    assert!(refused[0] > 0 && refused[1] > 0, "the mutations should break something: {refused:?}");
+}
+
+/// A conversation row with a field replaced by a random value, removed, or a stray one added.
+fn mutate_row(row: &Value, r: &mut ChaCha8Rng) -> Value {
+    let mut v = row.clone();
+    let obj = v.as_object_mut().expect("rows are objects");
+    let field = ["prompt", "answer", "text", "messages", "source"][r.gen_range(0..5)];
+    match r.gen_range(0..3) {
+        0 => {
+            obj.remove(field);
+        }
+        _ => {
+            obj.insert(field.into(), random_value(r, 0));
+        }
+    }
+    if r.gen_bool(0.1) {
+        return random_value(r, 0); // not even an object
+    }
+    v
+}
+
+/// A drafter config with one to three of the values convert reads replaced by random ones.
+fn mutate_config(config: &Value, r: &mut ChaCha8Rng) -> Value {
+    const TOP: [&str; 11] = [
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "rope_theta", "vocab_size", "draft_vocab_size", "architectures",
+    ];
+    const DFLASH: [&str; 7] =
+        ["target_layer_ids", "block_size", "mask_token_id", "selector_top_k", "selector_rank", "conv_kernel_size", "conv_group_size"];
+    let mut v = config.clone();
+    for _ in 0..r.gen_range(1..=3) {
+        let value = random_value(r, 1);
+        if r.gen_bool(0.5) {
+            v[TOP[r.gen_range(0..TOP.len())]] = value;
+        } else {
+            v["dflash_config"][DFLASH[r.gen_range(0..DFLASH.len())]] = value;
+        }
+    }
+    v
 }
 
 // ---- HTTP ---------------------------------------------------------------------------------

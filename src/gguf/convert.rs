@@ -50,6 +50,13 @@ pub struct DrafterConfig {
     pub dflash2: Option<(u32, u32, u32, u32)>,
 }
 
+/// Bounds of a drafter config's counts and sizes (far above any real drafter: DFlash drafters have
+/// a few layers as wide as their target).
+const MAX_LAYERS: u64 = 256;
+const MAX_WIDTH: u64 = 1 << 16;
+const MAX_HEADS: u64 = 1024;
+const MAX_BLOCK: u64 = 1024;
+
 impl DrafterConfig {
     pub fn from_json(v: &Value) -> Result<Self> {
         let num = |key: &str| -> Result<u64> {
@@ -60,8 +67,16 @@ impl DrafterConfig {
             .ok_or_else(|| anyhow!("config.json: no \"dflash_config\" (not a DFlash drafter checkpoint?)"))?;
         let dnum = |key: &str| dc.get(key).and_then(Value::as_u64);
         let dreq = |key: &str| dnum(key).ok_or_else(|| anyhow!("config.json: dflash_config has no integer \"{key}\""));
-        let hidden_size = num("hidden_size")? as usize;
-        let heads = num("num_attention_heads")? as usize;
+        // Every count and size is bounded before anything loops over it or multiplies it: no
+        // drafter is larger, and the GGUF stores them as u32.
+        let sized = |key: &str, value: u64, max: u64| -> Result<usize> {
+            if !(1..=max).contains(&value) {
+                bail!("config.json: \"{key}\" is {value}; expected 1 to {max}");
+            }
+            Ok(value as usize)
+        };
+        let hidden_size = sized("hidden_size", num("hidden_size")?, MAX_WIDTH)?;
+        let heads = sized("num_attention_heads", num("num_attention_heads")?, MAX_HEADS)?;
         let target_layer_ids = dc
             .get("target_layer_ids")
             .and_then(Value::as_array)
@@ -75,28 +90,40 @@ impl DrafterConfig {
         let dflash2 = match dnum("selector_top_k") {
             None | Some(0) => None,
             Some(k) => Some((
-                dreq("conv_kernel_size")? as u32,
-                dreq("conv_group_size")? as u32,
-                dreq("selector_rank")? as u32,
-                k as u32,
+                sized("conv_kernel_size", dreq("conv_kernel_size")?, MAX_BLOCK)? as u32,
+                sized("conv_group_size", dreq("conv_group_size")?, hidden_size as u64)? as u32,
+                sized("selector_rank", dreq("selector_rank")?, MAX_WIDTH)? as u32,
+                sized("selector_top_k", k, MAX_HEADS)? as u32,
             )),
+        };
+        let kv_heads = v.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(heads as u64);
+        let kv_heads = sized("num_key_value_heads", kv_heads, heads as u64)?;
+        if heads % kv_heads != 0 {
+            bail!("config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}");
+        }
+        let head_dim = match v.get("head_dim").and_then(Value::as_u64) {
+            Some(h) => sized("head_dim", h, MAX_WIDTH)?,
+            None if hidden_size % heads == 0 => hidden_size / heads,
+            None => bail!("config.json: no \"head_dim\", and hidden_size {hidden_size} is not a multiple of {heads} heads"),
         };
         let mask_token_id = dnum("mask_token_id")
             .or_else(|| v.get("mask_token_id").and_then(Value::as_u64))
-            .ok_or_else(|| anyhow!("config.json: dflash_config has no \"mask_token_id\""))? as u32;
+            .ok_or_else(|| anyhow!("config.json: dflash_config has no \"mask_token_id\""))?;
+        let mask_token_id =
+            u32::try_from(mask_token_id).map_err(|_| anyhow!("config.json: mask_token_id {mask_token_id} is not a token id"))?;
         Ok(Self {
             hidden_size,
-            intermediate_size: num("intermediate_size")? as usize,
-            num_hidden_layers: num("num_hidden_layers")? as usize,
+            intermediate_size: sized("intermediate_size", num("intermediate_size")?, MAX_WIDTH)?,
+            num_hidden_layers: sized("num_hidden_layers", num("num_hidden_layers")?, MAX_LAYERS)?,
             num_attention_heads: heads,
-            num_key_value_heads: v.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(heads as u64) as usize,
-            head_dim: v.get("head_dim").and_then(Value::as_u64).map_or(hidden_size / heads.max(1), |h| h as usize),
+            num_key_value_heads: kv_heads,
+            head_dim,
             rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
             rope_theta: v.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0) as f32,
             max_position_embeddings: v.get("max_position_embeddings").and_then(Value::as_u64).map(|x| x as u32),
             hidden_act: v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu").to_string(),
             target_layer_ids,
-            block_size: dnum("block_size").unwrap_or(16) as u32,
+            block_size: sized("block_size", dnum("block_size").unwrap_or(16), MAX_BLOCK)? as u32,
             mask_token_id,
             dflash2,
         })

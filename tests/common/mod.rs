@@ -20,6 +20,22 @@ pub fn real_model(file: &str) -> PathBuf {
 pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const QWEN_05B: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
+/// The training environment's interpreter (`.venv/bin/python` with torch, numpy, safetensors and
+/// gguf, made by `tests/support/setup.sh --train`), or `$DFLASH2_TRAIN_PYTHON`. Missing: the test
+/// fails, it is never skipped.
+pub fn train_python() -> PathBuf {
+    let p = std::env::var_os("DFLASH2_TRAIN_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
+    assert!(p.is_file(), "{} is missing: run `bash tests/support/setup.sh --train` (it makes the training venv)", p.display());
+    p
+}
+
+/// A script of the drafter recipe (`gguf-drafters/train/NAME`).
+pub fn train_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/train").join(name)
+}
+
 /// A per-test scratch directory under target/ (kept for inspection after a failure).
 pub fn scratch_dir(name: &str) -> PathBuf {
     let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
