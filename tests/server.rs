@@ -467,7 +467,7 @@ fn curl_streams_openai_events_ending_with_done() {
 /// Each bad request gets an OpenAI-style error with the right status, and the server goes on.
 #[test]
 fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
-    let server = Server::start("bad-input", &["--ctx-size", "256", "--max-body", "65536", "--alias", "tiny,tiny-chat"]);
+    let server = Server::start("bad-input", &["--ctx-size", "256", "--max-body", "65536", "--alias", "tiny,tiny-chat", "--tags", "chat,small"]);
     let user = |extra: Value| {
         let mut body = json!({ "model": MODEL, "messages": [{ "role": "user", "content": "hello" }] });
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
@@ -620,15 +620,12 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         server.assert_healthy(what);
     }
 
-    // --alias names the model: every name is listed, the first is what answers carry.
+    // --alias names the model: one entry (llama-server's shape) lists every name in `aliases` and
+    // `--tags` in `tags`; the first name is its id and what answers carry.
     let (_, models) = server.get("/v1/models");
-    let ids: Vec<Value> = serde_json::from_str::<Value>(&models).unwrap()["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].clone())
-        .collect();
-    assert_eq!(ids, vec![json!("tiny"), json!("tiny-chat")]);
+    let data = serde_json::from_str::<Value>(&models).unwrap()["data"].clone();
+    assert_eq!(data.as_array().map(Vec::len), Some(1), "{data}");
+    assert_eq!((&data[0]["id"], &data[0]["aliases"], &data[0]["tags"]), (&json!("tiny"), &json!(["tiny", "tiny-chat"]), &json!(["chat", "small"])), "{data}");
     let ok = server.post_ok("/v1/chat/completions", json!({ "model": "tiny-chat", "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 2 }));
     assert_eq!(ok["model"], "tiny");
 
@@ -883,6 +880,91 @@ fn the_responses_api_answers_as_the_chat_path_does() {
         (json!({ "input": "hi", "text": { "format": { "type": "json_object" } } }), "text.format"),
     ] {
         let (code, v) = server.post("/v1/responses", &body.to_string());
+        assert_eq!((code, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+    }
+    server.wait_idle();
+}
+
+/// `/v1/messages` is the chat path in Anthropic's shapes: at T = 0 its text and token counts are
+/// the chat completion's of the same conversation (drafter on), streamed as Anthropic's events
+/// whose text deltas add up to it; `stop_sequences` stop it and are reported; `tool_choice` any
+/// gets a `tool_use` block (input an object) whole and streamed; `count_tokens` counts the prompt;
+/// wrong blocks and fields are 400s naming them.
+#[test]
+fn the_messages_api_answers_as_the_chat_path_does() {
+    let d = drafter();
+    let server = Server::start("messages", &["-d", &d, "--block", "4"]);
+    let ask = json!({ "system": [{ "type": "text", "text": "Be brief." }], "max_tokens": 24, "temperature": 0,
+        "messages": [{ "role": "user", "content": [{ "type": "text", "text": "Tell me " }, { "type": "text", "text": "a story." }] }] });
+    let chat = server.post_ok("/v1/chat/completions", json!({ "max_tokens": 24, "temperature": 0,
+        "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": "Tell me a story." }] }));
+    let whole = server.post_ok("/v1/messages", ask.clone());
+    let text = whole["content"][0]["text"].as_str().unwrap_or_else(|| panic!("no text block: {whole}")).to_string();
+    assert_eq!((whole["type"].as_str(), whole["role"].as_str(), whole["content"][0]["type"].as_str()), (Some("message"), Some("assistant"), Some("text")), "{whole}");
+    assert_eq!(Some(text.as_str()), chat["choices"][0]["message"]["content"].as_str(), "{whole}\n{chat}");
+    let u = &whole["usage"];
+    assert_eq!(u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(), chat["usage"]["prompt_tokens"].as_u64().unwrap(), "{whole}");
+    assert_eq!(u["output_tokens"], chat["usage"]["completion_tokens"], "{whole}");
+    let reason = match chat["choices"][0]["finish_reason"].as_str() {
+        Some("length") => "max_tokens",
+        _ => "end_turn",
+    };
+    assert_eq!((whole["stop_reason"].as_str(), &whole["stop_sequence"]), (Some(reason), &Value::Null), "{whole}");
+    assert!(whole.get("timings").is_none() && whole["id"].as_str().is_some_and(|id| id.starts_with("msg_")), "{whole}");
+
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let events: Vec<Value> = server.post_sse("/v1/messages", streamed).iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds[..2], ["message_start", "content_block_start"], "{kinds:?}");
+    assert_eq!(kinds[kinds.len() - 3..], ["content_block_stop", "message_delta", "message_stop"], "{kinds:?}");
+    assert!(kinds[2..kinds.len() - 3].iter().all(|k| *k == "content_block_delta") && kinds.len() > 6, "{kinds:?}");
+    let start = &events[0]["message"];
+    assert_eq!((&start["content"], start["usage"]["input_tokens"].as_u64()), (&json!([]), chat["usage"]["prompt_tokens"].as_u64()), "{start}");
+    let deltas: String = events.iter().filter(|e| e["type"] == "content_block_delta").map(|e| e["delta"]["text"].as_str().unwrap()).collect();
+    assert_eq!(deltas, text);
+    let end = &events[kinds.len() - 2];
+    assert_eq!((end["delta"]["stop_reason"].as_str(), &end["usage"]["output_tokens"]), (Some(reason), &u["output_tokens"]), "{end}");
+
+    // A stop sequence taken from the answer ends it there, and is named.
+    let word: String = text.chars().skip(3).take(3).collect();
+    let mut stopped = ask.clone();
+    stopped["stop_sequences"] = json!([word]);
+    let v = server.post_ok("/v1/messages", stopped);
+    assert_eq!((v["stop_reason"].as_str(), v["stop_sequence"].as_str()), (Some("stop_sequence"), Some(word.as_str())), "{v}");
+    let cut = v["content"].get(0).map_or("", |b| b["text"].as_str().unwrap());
+    assert!(text.starts_with(cut) && cut.len() < text.len() && !cut.contains(&word), "{cut:?} of {text:?}");
+
+    // A required tool (no parameters: the grammar holds the call to a few tokens and bounded
+    // whitespace): a tool_use block.
+    let tools = json!([{ "name": "ping", "description": "Check the network", "input_schema": { "type": "object", "properties": {}, "additionalProperties": false } }]);
+    let call = json!({ "max_tokens": 256, "tools": tools, "tool_choice": { "type": "any" }, "messages": [{ "role": "user", "content": "Is the network up?" }] });
+    let v = server.post_ok("/v1/messages", call.clone());
+    let block = v["content"].as_array().unwrap().iter().find(|b| b["type"] == "tool_use").cloned().unwrap_or_else(|| panic!("no tool_use: {v}"));
+    assert_eq!((block["name"].as_str(), block["input"].is_object(), v["stop_reason"].as_str()), (Some("ping"), true, Some("tool_use")), "{v}");
+    let mut call_stream = call.clone();
+    call_stream["stream"] = json!(true);
+    let events: Vec<Value> = server.post_sse("/v1/messages", call_stream).iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let started = events.iter().find(|e| e["type"] == "content_block_start" && e["content_block"]["type"] == "tool_use").unwrap_or_else(|| panic!("{events:?}"));
+    assert_eq!(started["content_block"]["name"], "ping");
+    let json_delta = events.iter().find(|e| e["delta"]["type"] == "input_json_delta").unwrap_or_else(|| panic!("{events:?}"));
+    assert_eq!(serde_json::from_str::<Value>(json_delta["delta"]["partial_json"].as_str().unwrap()).unwrap(), block["input"]);
+    // ... and the conversation sent back with the call and its result.
+    let back = json!({ "max_tokens": 4, "tools": tools, "messages": [call["messages"][0],
+        { "role": "assistant", "content": [{ "type": "tool_use", "id": block["id"], "name": "ping", "input": {} }] },
+        { "role": "user", "content": [{ "type": "tool_result", "tool_use_id": block["id"], "content": "up" }] }] });
+    assert_eq!(server.post_ok("/v1/messages", back)["type"], "message");
+
+    let count = server.post_ok("/v1/messages/count_tokens", ask.clone());
+    assert_eq!((&count["input_tokens"], count.get("output_tokens")), (&chat["usage"]["prompt_tokens"], None), "{count}");
+    for (body, param) in [
+        (json!({ "messages": [] }), "messages"),
+        (json!({ "messages": [{ "role": "user", "content": [{ "type": "image", "source": { "type": "url", "url": "x" } }] }] }), "messages[0].content[0]"),
+        (json!({ "messages": [{ "role": "user", "content": "hi" }], "tools": [{ "type": "bash_20250124", "name": "bash" }] }), "tools[0].type"),
+        (json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 0 }), "max_tokens"),
+        (json!({ "messages": [{ "role": "user", "content": "hi" }], "tool_choice": { "type": "sometimes" } }), "tool_choice.type"),
+    ] {
+        let (code, v) = server.post("/v1/messages", &body.to_string());
         assert_eq!((code, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
     }
     server.wait_idle();
@@ -1204,7 +1286,8 @@ fn a_full_queue_answers_503_and_clients_that_leave_free_their_slot() {
 }
 
 /// `GET /slots` shows each slot as llama-server does: the task it took, that request's settings
-/// and how far it got; `?fail_on_no_slot=1` answers 503 while every slot is busy, and `--no-slots`
+/// and how far it got (`next_token` a one-entry list; a slot that never took a request shows no
+/// task at all); `?fail_on_no_slot=1` answers 503 while every slot is busy, and `--no-slots`
 /// turns the route off (501). `/v1/chat/completions/input_tokens` counts a chat request's prompt.
 #[test]
 fn slots_show_each_request_and_input_tokens_count_the_prompt() {
@@ -1218,20 +1301,23 @@ fn slots_show_each_request_and_input_tokens_count_the_prompt() {
     let idle = slots("");
     assert_eq!(idle.len(), 2, "{idle:?}");
     for (i, s) in idle.iter().enumerate() {
-        assert_eq!((s["id"].as_u64(), s["id_task"].as_i64(), s["is_processing"].as_bool()), (Some(i as u64), Some(-1), Some(false)), "{s}");
+        assert_eq!((s["id"].as_u64(), s["is_processing"].as_bool()), (Some(i as u64), Some(false)), "{s}");
         assert_eq!((s["n_ctx"].as_u64(), s["speculative"].as_bool()), (Some(4096), Some(true)), "{s}");
-        assert_eq!(s["next_token"]["n_decoded"], 0, "{s}");
-        assert!(s["params"]["temperature"].is_number() && s["params"]["samplers"].is_array(), "{s}");
+        for absent in ["id_task", "params", "next_token", "n_prompt_tokens"] {
+            assert!(s.get(absent).is_none(), "{absent} before the first request: {s}");
+        }
     }
 
     // A finished request leaves its settings and its count in its slot.
     let body = json!({ "prompt": "Once upon a time", "n_predict": 7, "temperature": 0.5, "seed": 11, "top_k": 5, "stop": ["zzz"] });
     let v = server.post_ok("/completion", body);
-    let used: Vec<Value> = slots("").into_iter().filter(|s| s["id_task"] != -1).collect();
+    let used: Vec<Value> = slots("").into_iter().filter(|s| s.get("id_task").is_some()).collect();
     assert_eq!(used.len(), 1, "{used:?}");
     let (s, p) = (&used[0], &used[0]["params"]);
     assert_eq!((s["id_task"].as_i64(), s["is_processing"].as_bool()), (Some(0), Some(false)), "{s}");
-    assert_eq!(s["next_token"]["n_decoded"], v["tokens_predicted"], "{s}");
+    assert_eq!((&s["next_token"][0]["n_decoded"], &s["n_prompt_tokens"]), (&v["tokens_predicted"], &v["tokens_evaluated"]), "{s}");
+    assert_eq!(s["next_token"].as_array().map(Vec::len), Some(1), "{s}");
+    assert!(p["samplers"].is_array(), "{p}");
     assert_eq!((p["n_predict"].as_i64(), p["temperature"].as_f64(), p["seed"].as_u64(), p["top_k"].as_i64()), (Some(7), Some(0.5), Some(11), Some(5)), "{p}");
     assert_eq!((&p["stop"], &p["speculative.n_max"]), (&json!(["zzz"]), &json!(3)), "{p}");
 
@@ -1248,7 +1334,7 @@ fn slots_show_each_request_and_input_tokens_count_the_prompt() {
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !slots("").iter().all(|s| s["is_processing"] == true && s["next_token"]["n_decoded"].as_u64() > Some(0)) {
+    while !slots("").iter().all(|s| s["is_processing"] == true && s["next_token"][0]["n_decoded"].as_u64() > Some(0)) {
         assert!(Instant::now() < deadline, "the slots never both ran: {:?}", slots(""));
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -1258,7 +1344,7 @@ fn slots_show_each_request_and_input_tokens_count_the_prompt() {
     let mut tasks: Vec<i64> = running.iter().map(|s| s["id_task"].as_i64().unwrap()).collect();
     tasks.sort();
     assert_eq!(tasks, [1, 2], "{running:?}");
-    assert!(running.iter().all(|s| s["params"]["n_predict"] == 4000 && s["next_token"]["has_next_token"] == true), "{running:?}");
+    assert!(running.iter().all(|s| s["params"]["n_predict"] == 4000 && s["next_token"][0]["has_next_token"] == true), "{running:?}");
     for c in &mut holds {
         c.kill().unwrap();
         c.wait().unwrap();

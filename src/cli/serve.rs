@@ -38,6 +38,9 @@ pub struct ServeArgs {
     /// (as clients configured for another server do), as with llama-server.
     #[arg(long, value_delimiter = ',')]
     pub alias: Vec<String>,
+    /// Labels of the model in /v1/models' `tags`, comma-separated (llama-server's `--tags`).
+    #[arg(long, value_delimiter = ',')]
+    pub tags: Vec<String>,
     /// Offer `GET /slots` (the default, as llama-server's); `--no-slots` answers it 501.
     #[arg(long, overrides_with = "no_slots")]
     pub slots: bool,
@@ -91,6 +94,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         scheduler,
         metrics,
         model_ids: if args.alias.is_empty() { vec![file_name(&args.models.model)] } else { args.alias.clone() },
+        model_tags: args.tags.clone(),
         drafter_path: drafter.map(|d| d.display().to_string()),
         api_key: args.api_key.clone(),
         defaults: Defaults {

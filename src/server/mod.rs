@@ -7,6 +7,7 @@ pub mod errors;
 pub mod fields;
 pub mod infill;
 pub mod logprobs;
+pub mod messages;
 pub mod metrics;
 pub mod responses;
 pub mod routes;
@@ -49,6 +50,8 @@ pub struct AppState {
     /// The served model's names (`--alias`): the first is the one answers carry. Requests may
     /// name any model: one is served, and clients configured for another server send its name.
     pub model_ids: Vec<String>,
+    /// `--tags`, listed in `/v1/models`.
+    pub model_tags: Vec<String>,
     pub drafter_path: Option<String>,
     pub api_key: Option<String>,
     pub defaults: Defaults,
@@ -103,6 +106,8 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/v1/responses", post(responses::responses))
         .route("/responses", post(responses::responses))
         .route("/v1/responses/input_tokens", post(responses::input_tokens))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/completion", post(routes::llama_completion))
         .route("/infill", post(routes::infill))
         .route("/apply-template", post(routes::apply_template))

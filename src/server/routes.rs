@@ -115,20 +115,19 @@ pub async fn not_supported(uri: Uri) -> ApiError {
     ApiError::NotSupported(uri.path().to_string())
 }
 
+/// One model, as llama-server lists it: its names in `aliases`, the first as `id`.
 pub async fn models(State(s): Shared) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
-        data: s
-            .model_ids
-            .iter()
-            .map(|id| ModelCard {
-                id: id.clone(),
-                object: "model",
-                created: now(),
-                owned_by: "dflash2",
-                meta: ModelMeta { n_vocab: s.model().n_vocab(), n_ctx: s.n_ctx(), drafter: s.drafter_path.clone() },
-            })
-            .collect(),
+        data: vec![ModelCard {
+            id: s.model_id().to_string(),
+            aliases: s.model_ids.clone(),
+            tags: s.model_tags.clone(),
+            object: "model",
+            created: now(),
+            owned_by: "dflash2",
+            meta: ModelMeta { n_vocab: s.model().n_vocab(), n_ctx: s.n_ctx(), drafter: s.drafter_path.clone() },
+        }],
     })
 }
 
@@ -173,36 +172,36 @@ pub async fn slots(State(s): Shared, query: axum::extract::Query<SlotsQuery>) ->
         return Err(ApiError::Busy);
     }
     let defaults = options(&s, SamplingFields::default(), None, "max_tokens")?;
+    let drafts = |o: &GenerateOptions| o.select != SelectMode::None || o.lookup;
     let slots = states
         .into_iter()
         .enumerate()
-        .map(|(id, st)| {
-            let o = st.opts.unwrap_or_else(|| defaults.clone());
-            let speculative = o.select != SelectMode::None || o.lookup;
-            SlotOut {
-                id,
+        .map(|(id, st)| SlotOut {
+            id,
+            n_ctx: s.n_ctx(),
+            speculative: drafts(st.opts.as_ref().unwrap_or(&defaults)),
+            is_processing: st.processing,
+            task: st.opts.map(|o| SlotTask {
                 id_task: st.id_task,
-                n_ctx: s.n_ctx(),
-                speculative,
-                is_processing: st.processing,
-                next_token: NextToken {
+                n_prompt_tokens: st.n_prompt_tokens,
+                next_token: [NextToken {
                     has_next_token: st.processing,
                     has_new_line: st.has_new_line,
                     n_remain: o.n_predict.saturating_sub(st.n_decoded) as i64,
                     n_decoded: st.n_decoded,
-                },
+                }],
                 params: SlotParams {
                     n_predict: o.n_predict as i64,
+                    speculative_n_max: if drafts(&o) { o.block.saturating_sub(1) } else { 0 },
+                    speculative_n_min: 0,
+                    speculative_select: o.select,
                     sampling: o.sampling,
                     stop: o.stop,
                     n_probs: o.n_probs.unwrap_or(0),
                     grammar: o.grammar.unwrap_or_default(),
                     samplers: super::fields::SAMPLERS,
-                    speculative_n_max: if speculative { o.block.saturating_sub(1) } else { 0 },
-                    speculative_n_min: 0,
-                    speculative_select: o.select,
                 },
-            }
+            }),
         })
         .collect();
     Ok(Json(slots))
@@ -866,7 +865,7 @@ fn chat_finish(f: FinishReason, called: bool) -> &'static str {
 }
 
 /// The stop string that ended `g`: the engine cuts the text where it begins.
-fn stopping_word(model: &Model, g: &Generation, stops: &[String]) -> String {
+pub(super) fn stopping_word(model: &Model, g: &Generation, stops: &[String]) -> String {
     if g.finish != FinishReason::Stop {
         return String::new();
     }

@@ -92,6 +92,7 @@ pub struct SlotState {
     /// -1 before the slot's first request.
     pub id_task: i64,
     pub processing: bool,
+    pub n_prompt_tokens: usize,
     /// The request's options (`None` before the first one).
     pub opts: Option<GenerateOptions>,
     pub n_decoded: usize,
@@ -100,7 +101,7 @@ pub struct SlotState {
 
 impl Default for SlotState {
     fn default() -> Self {
-        Self { id_task: -1, processing: false, opts: None, n_decoded: 0, has_new_line: false }
+        Self { id_task: -1, processing: false, n_prompt_tokens: 0, opts: None, n_decoded: 0, has_new_line: false }
     }
 }
 
@@ -275,7 +276,9 @@ impl Worker {
         match started {
             Ok(Ok(run)) => {
                 let opts = Some(job.req.opts.clone());
-                lock(&self.states)[slot] = SlotState { id_task: job.id_task, processing: true, opts, n_decoded: 0, has_new_line: false };
+                let n_prompt_tokens = job.req.prompt.len();
+                lock(&self.states)[slot] =
+                    SlotState { id_task: job.id_task, processing: true, n_prompt_tokens, opts, n_decoded: 0, has_new_line: false };
                 let text = TextRelease::new(job.req.opts.stop.clone());
                 let first = run.tokens().to_vec();
                 self.slots[slot] = self.deliver(Active { job, run, text, probs_sent: 0, _busy: busy }, first);

@@ -432,6 +432,8 @@ pub struct ModelList {
 #[derive(Debug, Serialize)]
 pub struct ModelCard {
     pub id: String,
+    pub aliases: Vec<String>,
+    pub tags: Vec<String>,
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
@@ -509,17 +511,27 @@ pub struct SamplingDefaults {
     pub sampling: crate::sampling::SamplingParams,
 }
 
-/// One slot of `GET /slots`, in llama-server's shape.
+/// One slot of `GET /slots`, in llama-server's shape: a slot that never took a request has no
+/// `id_task`, `params` or `next_token` (llama-server leaves them out).
 #[derive(Debug, Serialize)]
 pub struct SlotOut {
     pub id: usize,
-    pub id_task: i64,
     pub n_ctx: usize,
     /// Whether the slot's request drafts (a drafter or context look-up).
     pub speculative: bool,
     pub is_processing: bool,
+    #[serde(flatten)]
+    pub task: Option<SlotTask>,
+}
+
+/// The request a slot took last.
+#[derive(Debug, Serialize)]
+pub struct SlotTask {
+    pub id_task: i64,
+    pub n_prompt_tokens: usize,
     pub params: SlotParams,
-    pub next_token: NextToken,
+    /// One entry, as llama-server sends it.
+    pub next_token: [NextToken; 1],
 }
 
 /// A slot's request settings, with llama-server's names.
