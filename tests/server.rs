@@ -387,14 +387,19 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     assert_eq!((code, serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"].clone()), (200, json!(MODEL)));
     assert_eq!(server.get("/v1/health"), (200, r#"{"status":"ok"}"#.to_string()));
     let body = json!({ "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0 });
-    let (c, d) = (server.post_ok("/completions", body.clone()), server.post_ok("/v1/completions", body));
-    assert_eq!(c["choices"], d["choices"]);
-    assert!(c["system_fingerprint"].as_str().unwrap().starts_with("dflash2-"), "{c}");
+    let d = server.post_ok("/v1/completions", body);
+    assert!(d["system_fingerprint"].as_str().unwrap().starts_with("dflash2-"), "{d}");
+    // `/completions` is llama-server's `/completion` (its own shape), as llama-server routes it
+    let legacy = json!({ "prompt": "Once upon a time", "n_predict": 8, "temperature": 0 });
+    let (c, e) = (server.post_ok("/completions", legacy.clone()), server.post_ok("/completion", legacy));
+    assert_eq!((&c["content"], &c["tokens_predicted"]), (&e["content"], &e["tokens_predicted"]), "{c}");
+    assert_eq!(c["content"], d["choices"][0]["text"], "the same text in both shapes");
+    assert!(c.get("choices").is_none(), "{c}");
     let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 6 });
     let (a, b) = (server.post_ok("/chat/completions", chat.clone()), server.post_ok("/v1/chat/completions", chat));
     assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
-    let n_unprefixed: f64 =
-        [&a, &b, &c, &d].iter().map(|r| r["usage"]["completion_tokens"].as_f64().unwrap()).sum();
+    let n_unprefixed: f64 = [&a, &b, &d].iter().map(|r| r["usage"]["completion_tokens"].as_f64().unwrap()).sum::<f64>()
+        + [&c, &e].iter().map(|r| r["tokens_predicted"].as_f64().unwrap()).sum::<f64>();
 
     // Token ids as the prompt give the same answer as the text they spell.
     let by_ids = server.post_ok("/completion", json!({ "prompt": ids, "n_predict": 8 }));
@@ -436,7 +441,7 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     ] {
         assert!(metrics.contains(&format!("# TYPE dflash2_{name} ")), "no {name} in {metrics}");
     }
-    assert_eq!(server.metric("requests_finished_total"), 13.0);
+    assert_eq!(server.metric("requests_finished_total"), 14.0);
     let n_stopped = stopped["tokens_predicted"].as_f64().unwrap();
     let n_sampled: f64 = runs.iter().map(|t| t.as_array().unwrap().len() as f64).sum();
     assert_eq!(server.metric("tokens_predicted_total"), 24.0 + 24.0 + n_stopped + 8.0 + 8.0 + n_sampled + n_unprefixed);
