@@ -1363,6 +1363,9 @@ fn slots_show_each_request_and_input_tokens_count_the_prompt() {
     assert_eq!(count["object"], "response.input_tokens");
     let chat = server.post_ok("/v1/chat/completions", json!({ "messages": messages, "max_tokens": 2 }));
     assert_eq!(count["input_tokens"], chat["usage"]["prompt_tokens"], "{count}");
+    // without `/v1` too, as llama-server routes it
+    let bare = server.post_ok("/chat/completions/input_tokens", json!({ "messages": messages }));
+    assert_eq!(bare["input_tokens"], count["input_tokens"], "{bare}");
     let (code, v) = server.post("/v1/chat/completions/input_tokens", r#"{"messages": []}"#);
     assert_eq!((code, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
     drop(server);

@@ -101,6 +101,7 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/v1/chat/completions", post(routes::chat))
         .route("/chat/completions", post(routes::chat))
         .route("/v1/chat/completions/input_tokens", post(routes::chat_input_tokens))
+        .route("/chat/completions/input_tokens", post(routes::chat_input_tokens))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/responses", post(responses::responses))
         .route("/responses", post(responses::responses))
