@@ -712,6 +712,17 @@ fn chat_templates_render_as_jinja_and_refusals_name_the_messages() {
         { "role": "assistant", "content": "Hello, I" }]);
     let v = server.post_ok("/apply-template", json!({ "messages": prefill }));
     assert!(v["prompt"].as_str().unwrap().ends_with("<|im_start|>assistant\nHello, I"), "{v}");
+    // vLLM's explicit name for it gives the same prompt; with `add_generation_prompt: true` it is
+    // refused, as llama-server refuses the pair; without a final assistant message too
+    let same = server.post_ok("/apply-template", json!({ "messages": prefill, "continue_final_message": true, "add_generation_prompt": false }));
+    assert_eq!(same["prompt"], v["prompt"]);
+    let (code, e) = server.post("/v1/chat/completions", &json!({ "messages": prefill, "continue_final_message": true, "add_generation_prompt": true }).to_string());
+    assert_eq!((code, e["error"]["param"].as_str()), (400, Some("continue_final_message")), "{e}");
+    let (code, e) = server.post("/apply-template", &json!({ "messages": messages, "continue_final_message": true }).to_string());
+    assert_eq!((code, e["error"]["param"].as_str()), (400, Some("continue_final_message")), "{e}");
+    // `add_generation_prompt: false` leaves the assistant's turn closed
+    let closed = server.post_ok("/apply-template", json!({ "messages": messages, "add_generation_prompt": false }));
+    assert_eq!(closed["prompt"], "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
     let mut two = prefill.as_array().unwrap().clone();
     two.push(json!({ "role": "assistant", "content": "again" }));
     let (code, v) = server.post("/v1/chat/completions", &json!({ "messages": two }).to_string());

@@ -47,7 +47,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     if let Some(t) = &tools {
         t.constrain(&mut opts.grammar)?;
     }
-    let prompt = chat_prompt(&s, conversation, tools.as_ref()).await?;
+    let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
     let n_prompt = prompt.len();
     let stops = opts.stop.clone();
     let mut events = submit(&s, prompt, opts, 1)?;
@@ -68,7 +68,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
 /// `POST /v1/messages/count_tokens`: how many prompt tokens a Messages request would decode.
 pub async fn count_tokens(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Json<Value>, ApiError> {
     let (conversation, tools) = chat_request(&s, &req)?;
-    let prompt = chat_prompt(&s, conversation, tools.as_ref()).await?;
+    let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
     Ok(Json(json!({ "input_tokens": prompt.len() })))
 }
 

@@ -46,7 +46,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
     if let Some(t) = &tools {
         t.constrain(&mut opts.grammar)?;
     }
-    let prompt = chat_prompt(&s, messages, tools.as_ref()).await?;
+    let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
     let mut events = submit(&s, prompt, opts, 1)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
@@ -69,7 +69,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
 /// request's body would decode.
 pub async fn input_tokens(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<ResponsesRequest>) -> Result<Json<InputTokens>, ApiError> {
     let (messages, tools) = chat_request(&s, &req)?;
-    let prompt = chat_prompt(&s, messages, tools.as_ref()).await?;
+    let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
     Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
 }
 

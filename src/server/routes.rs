@@ -251,7 +251,8 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
     if let Some(t) = &tools {
         t.constrain(&mut opts.grammar)?;
     }
-    let prompt = chat_prompt(&s, req.messages, tools.as_ref()).await?;
+    let open_turn = generation_prompt(&req)?;
+    let prompt = chat_prompt(&s, req.messages, tools.as_ref(), open_turn).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let shape = Shape::Chat { include_usage, tools: tools.filter(Tools::active) };
     let reply = Reply::new(&s, "chatcmpl", shape, opts.n_probs.is_some());
@@ -466,7 +467,8 @@ fn stop_strings(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
 /// `POST /apply-template` (llama-server's): the prompt text a chat request would decode.
 pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Json<PromptText>, ApiError> {
     let tools = chat_tools(&s, &req)?;
-    let prompt = render_chat(&s, req.messages, tools.as_ref())?;
+    let open_turn = generation_prompt(&req)?;
+    let prompt = render_chat(&s, req.messages, tools.as_ref(), open_turn)?;
     Ok(Json(PromptText { prompt }))
 }
 
@@ -474,7 +476,8 @@ pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>
 /// request's body would decode.
 pub async fn chat_input_tokens(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Json<InputTokens>, ApiError> {
     let tools = chat_tools(&s, &req)?;
-    let prompt = chat_prompt(&s, req.messages, tools.as_ref()).await?;
+    let open_turn = generation_prompt(&req)?;
+    let prompt = chat_prompt(&s, req.messages, tools.as_ref(), open_turn).await?;
     Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
 }
 
@@ -484,9 +487,33 @@ fn chat_tools(s: &AppState, req: &ChatRequest) -> Result<Option<Tools>, ApiError
     Tools::new(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls, format)
 }
 
-/// The prompt tokens of a chat request, rendered with the served template.
-pub(super) async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>) -> Result<Vec<Token>, ApiError> {
-    let text = render_chat(s, messages, tools)?;
+/// Whether a chat request's prompt ends with the assistant's turn opened: yes unless
+/// `add_generation_prompt` is false. `continue_final_message` needs a final assistant message
+/// and cannot come with `add_generation_prompt: true` (llama-server refuses the pair too).
+fn generation_prompt(req: &ChatRequest) -> Result<bool, ApiError> {
+    if req.continue_final_message == Some(true) {
+        if req.add_generation_prompt == Some(true) {
+            return Err(ApiError::invalid_param(
+                "continue_final_message",
+                "`continue_final_message` and `add_generation_prompt` cannot both be true",
+            ));
+        }
+        if req.messages.last().is_none_or(|m| m.role != "assistant") {
+            return Err(ApiError::invalid_param("continue_final_message", "there is no final assistant message to continue"));
+        }
+    }
+    Ok(req.add_generation_prompt.unwrap_or(true))
+}
+
+/// The prompt tokens of a chat request, rendered with the served template; `open_turn`: end
+/// with the assistant's turn opened (a final assistant message is continued either way).
+pub(super) async fn chat_prompt(
+    s: &AppState,
+    messages: Vec<ChatMessageIn>,
+    tools: Option<&Tools>,
+    open_turn: bool,
+) -> Result<Vec<Token>, ApiError> {
+    let text = render_chat(s, messages, tools, open_turn)?;
     let model = s.model().clone();
     blocking(move || model.tokenize(&text, true, true)).await
 }
@@ -494,7 +521,7 @@ pub(super) async fn chat_prompt(s: &AppState, messages: Vec<ChatMessageIn>, tool
 /// The chat prompt text, with the request's tools. A conversation that ends with an assistant
 /// message asks for that message to be continued (llama-server's assistant prefill): the turns
 /// before it are rendered with the assistant's turn opened, and its text follows.
-fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>) -> Result<String, ApiError> {
+fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>, open_turn: bool) -> Result<String, ApiError> {
     let native = s.template.describes_tools();
     let mut messages = tools::conversation(messages, native)?;
     let is_assistant = |m: Option<&serde_json::Value>| m.is_some_and(|m| m["role"] == "assistant");
@@ -509,7 +536,7 @@ fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>
         t.describe(&mut messages);
     }
     let list = tools.filter(|_| native).map(|t| t.list.as_slice());
-    let text = s.template.render_with_tools(&messages, list, true).map_err(template_refused)?;
+    let text = s.template.render_with_tools(&messages, list, open_turn || prefill.is_some()).map_err(template_refused)?;
     Ok(text + prefill.as_deref().unwrap_or_default())
 }
 

@@ -80,6 +80,11 @@ pub struct ChatRequest {
     pub tools: Option<serde_json::Value>,
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Whether the prompt ends with the assistant's turn opened (true unless set false).
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's and transformers' name for continuing a final assistant message (which a
+    /// conversation ending with one asks for anyway, as in llama-server).
+    pub continue_final_message: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
