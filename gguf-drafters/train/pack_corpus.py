@@ -31,6 +31,17 @@ def read_rows(path, opener):
         return [json.loads(l) for l in f if l.strip()]
 
 
+def history(manifest):
+    """The packs recorded so far (a manifest from before the history was kept: one entry)."""
+    made = manifest.get("made_with")
+    if made is None:
+        return []
+    if isinstance(made, list):
+        return made
+    return [{"command": made, "added": manifest.get("answers"), "dflash2_commit": manifest.get("dflash2_commit"),
+             "date": manifest.get("updated")}]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--answers", required=True, help="JSONL written by `dflash2 answer`")
@@ -43,10 +54,12 @@ def main():
     corpus = os.path.join(args.out, "answers.jsonl.gz")
     manifest_path = os.path.join(args.out, "MANIFEST.json")
     target_sha = sha256(args.target)
+    old = {}
     if os.path.exists(manifest_path):
         old = json.load(open(manifest_path))
         if old["target_sha256"] != target_sha:
             sys.exit(f"{args.target} is not the target of the corpus in {args.out} ({old['target_sha256']})")
+    before = {(r["prompt"], r.get("sample", 0)) for r in read_rows(corpus, gzip.open)}
 
     rows = {}
     for r in read_rows(corpus, gzip.open) + read_rows(args.answers, open):
@@ -68,9 +81,9 @@ def main():
         "answer_tokens": sum(len(r["answer_tokens"]) for r in ordered),
         "by_source": by_source,
         "sampled_answers": sum(1 for r in ordered if r.get("sample", 0) > 0),
-        "made_with": args.command,
-        "dflash2_commit": commit,
-        "updated": datetime.date.today().isoformat(),
+        # every pack that added rows, oldest first: how each part of the corpus was made
+        "made_with": history(old) + [{"command": args.command, "added": len(set(rows) - before),
+                                      "dflash2_commit": commit, "date": datetime.date.today().isoformat()}],
         "held_apart": "HumanEval 124..163 and one ShareGPT turn in 20 (make_prompts.py: held_apart) are never here",
     }
     with open(manifest_path, "w") as f:
