@@ -362,6 +362,10 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     assert_eq!(last["stop"], true);
     assert!(last["timings"]["predicted_n"].is_number());
     assert!(parsed[..parsed.len() - 1].iter().all(|e| e["stop"] == false));
+    // every piece carries its token ids (as llama-server's), and together they are the answer's
+    let streamed: Vec<Value> = parsed[..parsed.len() - 1].iter().flat_map(|e| e["tokens"].as_array().unwrap().clone()).collect();
+    assert!(parsed[..parsed.len() - 1].iter().all(|e| !e["tokens"].as_array().unwrap().is_empty()), "{parsed:?}");
+    assert_eq!(Value::Array(streamed), whole["tokens"]);
 
     // A stop word: named in the answer, cut from the content.
     let text = whole["content"].as_str().unwrap();

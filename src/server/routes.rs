@@ -751,8 +751,9 @@ impl Reply {
                 chunk.choices[0].logprobs = self.text_logprobs(&probs, offset);
                 Some(event(&chunk))
             }
-            Shape::Llama { return_tokens, .. } if !text.is_empty() || with_probs || (*return_tokens && !tokens.is_empty()) => {
-                let tokens = if *return_tokens { tokens } else { Vec::new() };
+            // every streamed piece carries its token ids, as llama-server's do (`return_tokens`
+            // adds them to a whole answer)
+            Shape::Llama { .. } if !text.is_empty() || with_probs || !tokens.is_empty() => {
                 let completion_probabilities = self.logprobs.then(|| super::logprobs::llama(&self.target, &probs));
                 Some(event(&LlamaCompletion { content: text, tokens, stop: false, completion_probabilities, end: None }))
             }
