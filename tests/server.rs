@@ -1341,6 +1341,17 @@ fn slots_show_each_request_and_input_tokens_count_the_prompt() {
     assert_eq!((p["n_predict"].as_i64(), p["temperature"].as_f64(), p["seed"].as_u64(), p["top_k"].as_i64()), (Some(7), Some(0.5), Some(11), Some(5)), "{p}");
     assert_eq!((&p["stop"], &p["speculative.n_max"]), (&json!(["zzz"]), &json!(3)), "{p}");
 
+    // `id_slot` puts a request in that slot when it is free (the other one here), with the same
+    // answer; a slot that does not exist is refused naming the field
+    let other = 1 - s["id"].as_i64().unwrap();
+    let body = json!({ "prompt": "Once upon a time", "n_predict": 7, "temperature": 0.5, "seed": 11, "top_k": 5, "id_slot": other });
+    let w = server.post_ok("/completion", body);
+    assert_eq!(w["content"], v["content"]);
+    let there = &slots("")[other as usize];
+    assert_eq!((there["id_task"].as_i64(), &there["n_prompt_tokens"]), (Some(1), &w["tokens_evaluated"]), "{there}");
+    let (code, e) = server.post("/v1/chat/completions", &json!({ "messages": [{ "role": "user", "content": "hi" }], "id_slot": 2 }).to_string());
+    assert_eq!((code, e["error"]["param"].as_str()), (400, Some("id_slot")), "{e}");
+
     // Two long requests take both slots: /slots shows them running.
     let long = json!({ "prompt": "Once upon a time", "max_tokens": 4000, "stream": true }).to_string();
     let url = format!("{}/v1/completions", server.base);
@@ -1363,7 +1374,7 @@ fn slots_show_each_request_and_input_tokens_count_the_prompt() {
     let running = slots("");
     let mut tasks: Vec<i64> = running.iter().map(|s| s["id_task"].as_i64().unwrap()).collect();
     tasks.sort();
-    assert_eq!(tasks, [1, 2], "{running:?}");
+    assert_eq!(tasks, [2, 3], "{running:?}");
     assert!(running.iter().all(|s| s["params"]["n_predict"] == 4000 && s["next_token"][0]["has_next_token"] == true), "{running:?}");
     for c in &mut holds {
         c.kill().unwrap();

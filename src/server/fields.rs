@@ -47,7 +47,6 @@ const UNBUILT: &[Unbuilt] = &[
     },
     Unbuilt { name: "lora", neutral: empty, needs: "LoRA adapters" },
     Unbuilt { name: "response_fields", neutral: empty, needs: "response field selection" },
-    Unbuilt { name: "id_slot", neutral: |v| null_or(v, |v| num(v) == Some(-1.0)), needs: "choosing a slot (the scheduler assigns them)" },
 ];
 
 /// Refuses a field of `body` that asks for something this server does not do.
@@ -230,7 +229,7 @@ mod tests {
             "dynatemp_range": 0, "post_sampling_probs": false, "tools": [], "tool_choice": "auto",
             "id_slot": -1, "cache_prompt": true, "lora": [] });
         refuse_unbuilt(&webui).unwrap();
-        for (field, value) in [("typical_p", json!(0.9)), ("post_sampling_probs", json!(true)), ("id_slot", json!(0))]
+        for (field, value) in [("typical_p", json!(0.9)), ("post_sampling_probs", json!(true)), ("lora", json!([{ "id": 0 }]))]
         {
             let ApiError::InvalidRequest { param, message } = refuse_unbuilt(&json!({ field: value })).unwrap_err() else { panic!() };
             assert_eq!(param.as_deref(), Some(field));

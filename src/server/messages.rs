@@ -4,7 +4,7 @@
 //! tools; the answer is a `message` with content blocks, or its stream of events
 //! (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`).
 use super::errors::ApiError;
-use super::routes::{chat_prompt, collect, options, stopping_word, submit, ApiJson, Sampled};
+use super::routes::{chat_prompt, collect, options, preferred_slot, stopping_word, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
 use super::types::{ChatMessageIn, FunctionCallIn, MessageContent, Stop, ToolCallIn};
@@ -43,6 +43,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     if let Some(stops) = req.stop_sequences.clone() {
         sampling.stop = Some(Stop::Many(stops));
     }
+    let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     if let Some(t) = &tools {
         t.constrain(&mut opts.grammar)?;
@@ -50,7 +51,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
     let n_prompt = prompt.len();
     let stops = opts.stop.clone();
-    let mut events = submit(&s, prompt, opts, 1)?;
+    let mut events = submit(&s, prompt, opts, 1, slot)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
         id: format!("msg_{:016x}", rand::random::<u64>()),

@@ -5,7 +5,7 @@
 //! events (`response.created` ... `response.output_text.delta` ... `response.completed`).
 //! Nothing is stored: a conversation is sent whole, never by `previous_response_id`.
 use super::errors::ApiError;
-use super::routes::{chat_prompt, collect, now, options, submit, ApiJson, Sampled};
+use super::routes::{chat_prompt, collect, now, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
 use super::types::{ChatMessageIn, FunctionCallIn, InputTokens, MessageContent, ToolCallIn};
@@ -42,12 +42,13 @@ pub struct ResponsesRequest {
 
 pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): Sampled<ResponsesRequest>) -> Result<Response, ApiError> {
     let (messages, tools) = chat_request(&s, &req)?;
+    let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.max_output_tokens, "max_output_tokens")?;
     if let Some(t) = &tools {
         t.constrain(&mut opts.grammar)?;
     }
     let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
-    let mut events = submit(&s, prompt, opts, 1)?;
+    let mut events = submit(&s, prompt, opts, 1, slot)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
         id: format!("resp_{:016x}", rand::random::<u64>()),

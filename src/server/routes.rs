@@ -239,6 +239,7 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 
 pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
     let n = choices(req.n)?;
+    let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     opts.n_probs = match (req.logprobs, req.top_logprobs) {
         (Some(true), n) => Some(count("top_logprobs", n.unwrap_or(0), 20)?),
@@ -256,7 +257,7 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let shape = Shape::Chat { include_usage, tools: tools.filter(Tools::active) };
     let reply = Reply::new(&s, "chatcmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, n, reply, req.stream.unwrap_or(false)).await
+    generate(&s, prompt, opts, n, slot, reply, req.stream.unwrap_or(false)).await
 }
 
 pub async fn completions(
@@ -264,12 +265,13 @@ pub async fn completions(
     Sampled(req, sampling): Sampled<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let n = choices(req.n)?;
+    let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     opts.n_probs = req.logprobs.map(|n| count("logprobs", n, 5)).transpose()?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage }, opts.n_probs.is_some());
-    generate(&s, prompt, opts, n, reply, req.stream.unwrap_or(false)).await
+    generate(&s, prompt, opts, n, slot, reply, req.stream.unwrap_or(false)).await
 }
 
 pub async fn llama_completion(
@@ -277,16 +279,18 @@ pub async fn llama_completion(
     Sampled(req, sampling): Sampled<LlamaCompletionRequest>,
 ) -> Result<Response, ApiError> {
     // -1 is llama-server's "no limit": up to the end of the context.
+    let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     opts.n_probs = n_probs(req.n_probs)?;
     let prompt = prompt_tokens(&s, req.prompt).await?;
     let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone() };
     let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, 1, reply, req.stream.unwrap_or(false)).await
+    generate(&s, prompt, opts, 1, slot, reply, req.stream.unwrap_or(false)).await
 }
 
 /// `POST /infill`: code completion between a prefix and a suffix, in `/completion`'s shapes.
 pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequest>) -> Result<Response, ApiError> {
+    let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     opts.n_probs = n_probs(req.n_probs)?;
     let (model, n_ctx, limit) = (s.model().clone(), s.n_ctx(), req.n_predict.filter(|&n| n != -1).map(|_| opts.n_predict));
@@ -297,7 +301,7 @@ pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequ
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     let shape = Shape::Llama { return_tokens, stops: opts.stop.clone() };
     let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, 1, reply, stream).await
+    generate(&s, prompt, opts, 1, slot, reply, stream).await
 }
 
 /// A count field between 0 and `max`.
@@ -320,10 +324,11 @@ async fn generate(
     prompt: Vec<Token>,
     opts: GenerateOptions,
     n: usize,
+    slot: Option<usize>,
     reply: Reply,
     stream: bool,
 ) -> Result<Response, ApiError> {
-    let events = submit(s, prompt, opts, n)?;
+    let events = submit(s, prompt, opts, n, slot)?;
     if stream {
         return Ok(reply.stream(events));
     }
@@ -334,8 +339,23 @@ async fn generate(
     Ok(reply.whole(&gens))
 }
 
-/// Queue `n` generations of a checked prompt; their events, in order.
-pub(super) fn submit(s: &AppState, prompt: Vec<Token>, opts: GenerateOptions, n: usize) -> Result<Vec<mpsc::Receiver<GenEvent>>, ApiError> {
+/// llama-server's `id_slot`: -1 (or none) for any slot, else one of the slots.
+pub(super) fn preferred_slot(s: &AppState, id_slot: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match id_slot.unwrap_or(-1) {
+        -1 => Ok(None),
+        i if (0..s.scheduler.slots() as i64).contains(&i) => Ok(Some(i as usize)),
+        i => Err(ApiError::invalid_param("id_slot", format!("`id_slot` must be -1 or a slot 0..{}, got {i}", s.scheduler.slots()))),
+    }
+}
+
+/// Queue `n` generations of a checked prompt (in `slot` when it is free); their events, in order.
+pub(super) fn submit(
+    s: &AppState,
+    prompt: Vec<Token>,
+    opts: GenerateOptions,
+    n: usize,
+    slot: Option<usize>,
+) -> Result<Vec<mpsc::Receiver<GenEvent>>, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
     }
@@ -348,7 +368,7 @@ pub(super) fn submit(s: &AppState, prompt: Vec<Token>, opts: GenerateOptions, n:
     for i in 0..n {
         let mut opts = opts.clone();
         opts.sampling.seed = opts.sampling.seed.wrapping_add(i as u64);
-        let rx = s.scheduler.submit(GenRequest { prompt: prompt.clone(), opts }).map_err(|QueueFull| {
+        let rx = s.scheduler.submit(GenRequest { prompt: prompt.clone(), opts, slot }).map_err(|QueueFull| {
             s.metrics.rejected();
             ApiError::Busy
         })?;

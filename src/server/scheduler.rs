@@ -24,6 +24,9 @@ const EVENT_BUFFER: usize = 64;
 pub struct GenRequest {
     pub prompt: Vec<Token>,
     pub opts: GenerateOptions,
+    /// The slot asked for (llama-server's `id_slot`): taken when it is free, else any free one
+    /// (the answer is the same in every slot; only the cached prefix a slot reuses differs).
+    pub slot: Option<usize>,
 }
 
 /// What a request receives, in order: `Tokens` per decode cycle, then `Done` or `Error`.
@@ -246,7 +249,10 @@ impl Worker {
                     }
                 };
                 match job {
-                    Some(job) => self.admit(slot, job),
+                    Some(job) => {
+                        let asked = job.req.slot.filter(|&s| self.slots.get(s).is_some_and(Option::is_none));
+                        self.admit(asked.unwrap_or(slot), job)
+                    }
                     None => open = false, // the queue closed: finish what is active, then stop
                 }
             }

@@ -38,6 +38,8 @@ pub struct SamplingFields {
     /// suffix that look-up matches (`--lookup-ngram`).
     pub lookup: Option<bool>,
     pub lookup_ngram: Option<i64>,
+    /// llama-server's slot choice: -1 (or none) for any; else that slot when it is free.
+    pub id_slot: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
