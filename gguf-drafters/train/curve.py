@@ -5,6 +5,11 @@ library needed).
 
     python3 gguf-drafters/train/curve.py --run A=work/v2/trainA.log --run B=work/v2/trainB.log \\
         --csv curves.csv --svg curves.svg
+
+The campaign's curve: tau on the held-apart prompts against labelled training tokens, one point
+per shipped or candidate drafter, from a hand-kept CSV (drafter,labelled_tokens,series,tau):
+
+    python3 gguf-drafters/train/curve.py --campaign curves/campaign.csv --svg curves/campaign.svg
 """
 import argparse
 import re
@@ -30,7 +35,7 @@ def read(path):
     return rows
 
 
-def svg(runs, path, width=640, height=360, pad=48):
+def svg(runs, path, width=640, height=360, pad=48, xlabel="training step", dashed=True):
     steps = [r[0] for _, rows in runs for r in rows]
     taus = [t for _, rows in runs for r in rows for t in r[2:]]
     if not steps:
@@ -42,7 +47,7 @@ def svg(runs, path, width=640, height=360, pad=48):
            f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>',
            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>',
-           f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">training step</text>',
+           f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{xlabel}</text>',
            f'<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" text-anchor="middle">held-out tau</text>']
     for i in range(5):
         t = y0 + (y1 - y0) * i / 4
@@ -51,20 +56,39 @@ def svg(runs, path, width=640, height=360, pad=48):
         out.append(f'<text x="{sx(s):.1f}" y="{height - pad + 16}" text-anchor="middle">{s:.0f}</text>')
     for k, (name, rows) in enumerate(runs):
         colour = COLOURS[k % len(COLOURS)]
-        for col, dash in ((3, ""), (2, ' stroke-dasharray="4 3"')):
+        for col, dash in ((3, ""), (2, ' stroke-dasharray="4 3"')) if dashed else ((3, ""),):
             points = " ".join(f"{sx(r[0]):.1f},{sy(r[col]):.1f}" for r in rows)
             out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2"{dash} points="{points}"/>')
-        out.append(f'<text x="{pad + 10}" y="{pad + 16 * k}" fill="{colour}">{name} (solid: selector walk, dashed: argmax)</text>')
+            out += [f'<circle cx="{sx(r[0]):.1f}" cy="{sy(r[col]):.1f}" r="3" fill="{colour}"/>' for r in rows]
+        legend = " (solid: selector walk, dashed: argmax)" if dashed else ""
+        out.append(f'<text x="{pad + 10}" y="{pad + 16 * k}" fill="{colour}">{name}{legend}</text>')
     out.append("</svg>")
     open(path, "w").write("\n".join(out) + "\n")
 
 
+def campaign(path, out):
+    """One line per series (prompt set and mode) through the drafters' points, by labelled tokens."""
+    import csv
+    series = {}
+    for row in csv.DictReader(open(path)):
+        series.setdefault(row["series"], []).append((int(row["labelled_tokens"]), 0, 0.0, float(row["tau"])))
+    runs = [(name, sorted(rows)) for name, rows in series.items()]
+    svg(runs, out, xlabel="labelled training tokens", dashed=False)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", action="append", required=True, help="NAME=train.log (repeatable)")
-    ap.add_argument("--csv", required=True)
+    ap.add_argument("--run", action="append", help="NAME=train.log (repeatable)")
+    ap.add_argument("--csv")
     ap.add_argument("--svg")
+    ap.add_argument("--campaign", help="drafter,labelled_tokens,series,tau CSV: plot it to --svg")
     args = ap.parse_args()
+    if args.campaign:
+        if not args.svg:
+            sys.exit("--campaign needs --svg")
+        return campaign(args.campaign, args.svg)
+    if not args.run or not args.csv:
+        sys.exit("--run and --csv are needed (or --campaign)")
     runs = [(name, read(path)) for name, path in (r.split("=", 1) for r in args.run)]
     with open(args.csv, "w") as f:
         f.write("run,step,train_seconds,tau_argmax,tau_selector\n")
