@@ -7,7 +7,7 @@ use super::errors::ApiError;
 use super::routes::{chat_prompt, collect, options, preferred_slot, stopping_word, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
-use super::types::{ChatMessageIn, FunctionCallIn, MessageContent, Stop, ToolCallIn};
+use super::types::{ChatMessageIn, FunctionCallIn, Stop, ToolCallIn};
 use super::AppState;
 use crate::engine::{FinishReason, Generation};
 use crate::llama::Model;
@@ -86,26 +86,19 @@ fn chat_request(s: &AppState, req: &MessagesRequest) -> Result<(Vec<ChatMessageI
 
 /// Anthropic's tools (`{"name", "description", "input_schema"}`) in chat's shape.
 fn chat_tools(tools: Option<&Value>) -> Result<Option<Value>, ApiError> {
-    let Some(list) = tools.filter(|t| !t.is_null()) else { return Ok(None) };
-    let list = list.as_array().ok_or_else(|| ApiError::invalid_param("tools", "`tools` must be a list of tools"))?;
-    let converted = list
-        .iter()
-        .enumerate()
-        .map(|(i, t)| match t.get("type").and_then(Value::as_str) {
-            None | Some("custom") => {
-                let mut function = json!({ "name": t["name"], "parameters": t.get("input_schema").cloned().unwrap_or_else(|| json!({})) });
-                if let Some(d) = t.get("description") {
-                    function["description"] = d.clone();
-                }
-                Ok(json!({ "type": "function", "function": function }))
+    tools::foreign_tools(tools, |i, t| match t.get("type").and_then(Value::as_str) {
+        None | Some("custom") => {
+            let mut function = json!({ "name": t["name"], "parameters": t.get("input_schema").cloned().unwrap_or_else(|| json!({})) });
+            if let Some(d) = t.get("description") {
+                function["description"] = d.clone();
             }
-            Some(other) => Err(ApiError::invalid_param(
-                format!("tools[{i}].type"),
-                format!("`tools[{i}].type` {other:?}: client tools are offered, not Anthropic's server tools"),
-            )),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(Value::Array(converted)))
+            Ok(json!({ "type": "function", "function": function }))
+        }
+        Some(other) => Err(ApiError::invalid_param(
+            format!("tools[{i}].type"),
+            format!("`tools[{i}].type` {other:?}: client tools are offered, not Anthropic's server tools"),
+        )),
+    })
 }
 
 /// `{"type": "auto" | "any" | "tool" | "none"}` as chat's `tool_choice`.
@@ -119,17 +112,13 @@ fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
     }
 }
 
-fn message(role: &str, content: Option<String>) -> ChatMessageIn {
-    ChatMessageIn { role: role.to_string(), content: content.map(MessageContent::Text), tool_calls: None, tool_call_id: None, name: None }
-}
-
 /// The chat conversation of `system` and `messages`: a turn's text blocks become its text, its
 /// `tool_use` blocks an assistant's calls, its `tool_result` blocks `tool` messages (before the
 /// turn's text, right after the calls they answer, where chat templates expect them).
 fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMessageIn>, ApiError> {
     let mut out = Vec::new();
     if let Some(system) = system.filter(|s| !s.is_null()) {
-        out.push(message("system", Some(texts(system, "system")?)));
+        out.push(ChatMessageIn::text("system", Some(texts(system, "system")?)));
     }
     let list = messages.as_array().filter(|l| !l.is_empty());
     let list = list.ok_or_else(|| ApiError::invalid_param("messages", "`messages` must be a non-empty list of messages"))?;
@@ -141,7 +130,7 @@ fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMess
         let path = format!("messages[{i}].content");
         let blocks = match &m["content"] {
             Value::String(text) => {
-                out.push(message(role, Some(text.clone())));
+                out.push(ChatMessageIn::text(role, Some(text.clone())));
                 continue;
             }
             Value::Array(blocks) => blocks,
@@ -164,7 +153,7 @@ fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMess
                         None | Some(Value::Null) => String::new(),
                         Some(content) => texts(content, &format!("{path}.content"))?,
                     };
-                    out.push(ChatMessageIn { tool_call_id: Some(field("tool_use_id")?), ..message("tool", Some(result)) });
+                    out.push(ChatMessageIn { tool_call_id: Some(field("tool_use_id")?), ..ChatMessageIn::text("tool", Some(result)) });
                 }
                 // A former answer's reasoning: templates without reasoning leave it out as well.
                 Some("thinking" | "redacted_thinking") if role == "assistant" => {}
@@ -177,7 +166,7 @@ fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMess
             }
         }
         if text.is_some() || !calls.is_empty() {
-            out.push(ChatMessageIn { tool_calls: (!calls.is_empty()).then_some(calls), ..message(role, text) });
+            out.push(ChatMessageIn { tool_calls: (!calls.is_empty()).then_some(calls), ..ChatMessageIn::text(role, text) });
         }
     }
     Ok(out)
@@ -348,6 +337,7 @@ impl Streaming {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::types::MessageContent;
 
     fn param(r: Result<Vec<ChatMessageIn>, ApiError>) -> String {
         match r {

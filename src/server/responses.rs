@@ -8,7 +8,7 @@ use super::errors::ApiError;
 use super::routes::{chat_prompt, collect, now, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
-use super::types::{ChatMessageIn, FunctionCallIn, InputTokens, MessageContent, ToolCallIn};
+use super::types::{ChatMessageIn, FunctionCallIn, InputTokens, ToolCallIn};
 use super::AppState;
 use crate::engine::{FinishReason, Generation};
 use axum::extract::State;
@@ -93,24 +93,17 @@ fn chat_request(s: &AppState, req: &ResponsesRequest) -> Result<(Vec<ChatMessage
 
 /// The Responses API's function tools (`{"type": "function", "name", ..}`) in chat's shape.
 fn chat_tools(tools: Option<&Value>) -> Result<Option<Value>, ApiError> {
-    let Some(list) = tools.filter(|t| !t.is_null()) else { return Ok(None) };
-    let list = list.as_array().ok_or_else(|| ApiError::invalid_param("tools", "`tools` must be a list of tools"))?;
-    let converted = list
-        .iter()
-        .enumerate()
-        .map(|(i, t)| match t.get("type").and_then(Value::as_str) {
-            Some("function") => {
-                let mut function = t.clone();
-                function.as_object_mut().map(|f| f.remove("type"));
-                Ok(json!({ "type": "function", "function": function }))
-            }
-            other => Err(ApiError::invalid_param(
-                format!("tools[{i}].type"),
-                format!("`tools[{i}].type` {other:?}: function tools are offered, not hosted tools"),
-            )),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(Value::Array(converted)))
+    tools::foreign_tools(tools, |i, t| match t.get("type").and_then(Value::as_str) {
+        Some("function") => {
+            let mut function = t.clone();
+            function.as_object_mut().map(|f| f.remove("type"));
+            Ok(json!({ "type": "function", "function": function }))
+        }
+        other => Err(ApiError::invalid_param(
+            format!("tools[{i}].type"),
+            format!("`tools[{i}].type` {other:?}: function tools are offered, not hosted tools"),
+        )),
+    })
 }
 
 /// `{"type": "function", "name"}` (the Responses API's) as chat's `{"type": "function", "function": {"name"}}`.
@@ -123,13 +116,7 @@ fn chat_tool_choice(choice: &Value) -> Value {
 
 /// The chat conversation of `instructions` and `input`.
 fn messages(instructions: Option<String>, input: &Value) -> Result<Vec<ChatMessageIn>, ApiError> {
-    let message = |role: &str, text: String| ChatMessageIn {
-        role: role.to_string(),
-        content: Some(MessageContent::Text(text)),
-        tool_calls: None,
-        tool_call_id: None,
-        name: None,
-    };
+    let message = |role: &str, text: String| ChatMessageIn::text(role, Some(text));
     let mut out: Vec<ChatMessageIn> = instructions.into_iter().map(|i| message("system", i)).collect();
     let items = match input {
         Value::String(text) => {
@@ -363,6 +350,7 @@ impl Streaming {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::types::MessageContent;
 
     fn param(r: Result<Vec<ChatMessageIn>, ApiError>) -> String {
         match r {

@@ -420,6 +420,18 @@ pub fn conversation(messages: Vec<super::types::ChatMessageIn>, native: bool) ->
     Ok(out)
 }
 
+/// Another API's `tools` list in chat's shape: `convert` turns tool `i` into a chat tool or names
+/// what is wrong with it (null or absent: no tools).
+pub fn foreign_tools(
+    tools: Option<&Value>,
+    convert: impl Fn(usize, &Value) -> Result<Value, ApiError>,
+) -> Result<Option<Value>, ApiError> {
+    let Some(list) = tools.filter(|t| !t.is_null()) else { return Ok(None) };
+    let list = list.as_array().ok_or_else(|| ApiError::invalid_param("tools", "`tools` must be a list of tools"))?;
+    let converted = list.iter().enumerate().map(|(i, t)| convert(i, t)).collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(Value::Array(converted)))
+}
+
 fn pretty(v: &Value) -> String {
     serde_json::to_string_pretty(v).unwrap_or_default()
 }

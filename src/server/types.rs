@@ -101,6 +101,14 @@ pub struct ChatMessageIn {
     pub name: Option<String>,
 }
 
+impl ChatMessageIn {
+    /// A turn of `role` with text content (or none): what the Responses and Messages APIs'
+    /// items become on the chat path.
+    pub fn text(role: &str, content: Option<String>) -> Self {
+        Self { role: role.to_string(), content: content.map(MessageContent::Text), tool_calls: None, tool_call_id: None, name: None }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 pub struct ToolCallIn {
     pub id: Option<String>,
