@@ -211,6 +211,17 @@ pub enum FinishReason {
     Cancelled,
 }
 
+/// How far a prompt's decoding is (llama-server's `prompt_progress`): of `total` prompt tokens,
+/// `cache` came from the slot's cache and `processed` (the cached ones included) are done.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct PromptProgress {
+    pub total: usize,
+    pub cache: usize,
+    pub processed: usize,
+    #[serde(rename = "time_ms")]
+    pub ms: f64,
+}
+
 /// Counters and timings of one generation.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Stats {
@@ -518,6 +529,18 @@ impl Engine {
     /// and commit the first token. Continue with [`Engine::step`] or [`Engine::step_all`]
     /// until [`Run::finish`] is set.
     pub fn start_in(&mut self, slot: usize, prompt: &[Token], opts: &GenerateOptions) -> Result<Run> {
+        self.start_reporting(slot, prompt, opts, &mut |_| {})
+    }
+
+    /// [`Engine::start_in`], telling `progress` how far the prompt is: once before its first
+    /// decode (the cached prefix counted as processed) and after each batch of it.
+    pub fn start_reporting(
+        &mut self,
+        slot: usize,
+        prompt: &[Token],
+        opts: &GenerateOptions,
+        progress: &mut dyn FnMut(PromptProgress),
+    ) -> Result<Run> {
         let t_start = Instant::now();
         self.check_slot(slot)?;
         if prompt.is_empty() {
@@ -551,7 +574,7 @@ impl Engine {
             t_start,
             t_end: None,
         };
-        let (first, first_prob) = self.prefill(slot, prompt, &mut run)?;
+        let (first, first_prob) = self.prefill(slot, prompt, &mut run, progress)?;
         run.next = first;
         if let Some(g) = run.grammar.as_mut().filter(|_| !self.target.model().is_eog(first)) {
             g.accept(first)?;
@@ -1094,7 +1117,13 @@ impl Engine {
 
     /// Decode the part of `prompt` not already cached in `slot`; returns the first
     /// generated token.
-    fn prefill(&mut self, slot: usize, prompt: &[Token], run: &mut Run) -> Result<(Token, Option<TokenProb>)> {
+    fn prefill(
+        &mut self,
+        slot: usize,
+        prompt: &[Token],
+        run: &mut Run,
+        progress: &mut dyn FnMut(PromptProgress),
+    ) -> Result<(Token, Option<TokenProb>)> {
         // Reuse the cached prefix, but always decode at least the last prompt token:
         // its logits give the first generated token.
         let cached = &self.slots[slot].cached;
@@ -1104,6 +1133,9 @@ impl Engine {
         let todo = &prompt[keep..];
         run.stats.n_prompt_decoded = todo.len();
         let n_batch = self.batch.capacity();
+        let t_start = run.t_start;
+        let report = |processed: usize| PromptProgress { total: prompt.len(), cache: keep, processed, ms: ms_since(t_start) };
+        progress(report(keep));
         let mut last_logits_row = 0;
         for (c, chunk) in todo.chunks(n_batch).enumerate() {
             let is_last_chunk = (c + 1) * n_batch >= todo.len();
@@ -1118,6 +1150,7 @@ impl Engine {
             self.queue_features(slot, &rows, pos0)?;
             self.slots[slot].cached.extend_from_slice(chunk);
             last_logits_row = chunk.len() - 1;
+            progress(report(self.slots[slot].cached.len()));
         }
         let logits = self.target.logits(last_logits_row)?;
         let first = if run.sampler.is_greedy() {

@@ -576,7 +576,8 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             Some("messages[0].content"),
         ),
         ("empty token prompt", "/v1/completions", r#"{"prompt": []}"#.into(), 400, "invalid_request", Some("prompt")),
-        ("several prompts", "/v1/completions", r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request", Some("prompt")),
+        ("a prompt of no shape", "/v1/completions", r#"{"prompt": [[1, 2], 3]}"#.into(), 400, "invalid_request", Some("prompt")),
+        ("a prompt object without text", "/completion", r#"{"prompt": {"text": "hi"}}"#.into(), 400, "invalid_request", Some("prompt")),
         (
             "token id outside the vocabulary",
             "/completion",
@@ -1214,6 +1215,100 @@ fn several_choices_come_from_the_slots() {
     assert_eq!(pieces.into_iter().map(Value::from).collect::<Vec<_>>(), a, "streamed choices differ");
     let text = spec.post_ok("/v1/completions", json!({ "prompt": "Once", "max_tokens": 6, "n": 2, "temperature": 0 }));
     assert_eq!(text["choices"][0]["text"], text["choices"][1]["text"]);
+    spec.wait_idle();
+}
+
+#[test]
+fn several_prompts_progress_and_timings_come_in_llama_servers_shapes() {
+    let d = drafter();
+    let spec = Server::start("prompts", &["-d", &d, "--block", "4", "-np", "2", "-b", "64"]);
+    let plain = Server::start("prompts-plain", &[]);
+    let one = |prompt: &str| {
+        plain.post_ok("/completion", json!({ "prompt": prompt, "n_predict": 8, "temperature": 0 }))["content"].clone()
+    };
+    let (fox, sea) = (one("The quick brown fox"), one("The sea"));
+    let ids = spec.post_ok("/tokenize", json!({ "content": "The quick brown fox", "add_special": true }))["tokens"].clone();
+
+    // A list of prompts (ids, a text, a prompt object) is answered as a list, each as alone,
+    // with its index and the request's settings.
+    let prompts = json!([ids, "The sea", { "prompt_string": "The quick brown fox" }]);
+    let all = spec.post_ok("/completion", json!({ "prompt": prompts, "n_predict": 8, "temperature": 0, "seed": 9 }));
+    let all = all.as_array().unwrap_or_else(|| panic!("not a list: {all}"));
+    assert_eq!(all.iter().map(|a| a["content"].clone()).collect::<Vec<_>>(), [fox.clone(), sea.clone(), fox.clone()]);
+    assert_eq!(all.iter().map(|a| a["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    for a in all {
+        let g = &a["generation_settings"];
+        assert_eq!((g["n_predict"].as_u64(), g["seed"].as_u64(), g["temperature"].as_f64()), (Some(8), Some(9), Some(0.0)), "{a}");
+        assert_eq!(g["speculative.n_max"], 3, "{g}");
+    }
+    // response_fields: the paths asked for, each under its path, and nothing else
+    let fields = json!(["content", "generation_settings/n_predict", "prompt", "no/such/field"]);
+    let picked = spec.post_ok("/completion", json!({ "prompt": "The sea", "n_predict": 8, "temperature": 0, "response_fields": fields }));
+    let keys: Vec<&String> = picked.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["content", "generation_settings/n_predict", "prompt"], "{picked}");
+    assert_eq!((&picked["content"], &picked["generation_settings/n_predict"]), (&sea, &json!(8)));
+    assert!(picked["prompt"].as_str().unwrap().ends_with("The sea"), "{picked}");
+    // ids with a text among them are one prompt (llama-server's mixed prompt)
+    // (a text after the first piece gets no BOS)
+    let bare = spec.post_ok("/tokenize", json!({ "content": "The quick brown fox" }))["tokens"].as_array().unwrap().len() as u64;
+    let mixed = spec.post_ok("/completion", json!({ "prompt": [ids[0], "The quick brown fox"], "n_predict": 4 }));
+    assert!(mixed["content"].is_string() && mixed["tokens_evaluated"].as_u64() == Some(1 + bare), "{mixed}");
+    // OpenAI's completions: n choices per prompt, prompt by prompt
+    let legacy = spec.post_ok("/v1/completions", json!({ "prompt": ["The quick brown fox", "The sea"], "n": 2, "max_tokens": 8, "temperature": 0 }));
+    let texts: Vec<Value> = legacy["choices"].as_array().unwrap().iter().map(|c| c["text"].clone()).collect();
+    assert_eq!(texts, [fox.clone(), fox.clone(), sea.clone(), sea.clone()], "{legacy}");
+    // streamed: every piece names its prompt
+    let events = spec.post_sse("/completion", json!({ "prompt": ["The quick brown fox", "The sea"], "n_predict": 8, "stream": true }));
+    let mut streamed = [String::new(), String::new()];
+    for e in &events {
+        let v: Value = serde_json::from_str(e).unwrap();
+        streamed[v["index"].as_u64().unwrap() as usize] += v["content"].as_str().unwrap();
+    }
+    assert_eq!([Value::from(streamed[0].clone()), Value::from(streamed[1].clone())], [fox, sea]);
+    // too many generations name the field
+    let (code, err) = spec.post("/v1/completions", &json!({ "prompt": vec!["a"; 9], "n": 2 }).to_string());
+    assert_eq!((code, err["error"]["param"].as_str()), (400, Some("n")), "{err}");
+    let (code, err) = spec.post("/completion", &json!({ "prompt": vec!["a"; 17] }).to_string());
+    assert_eq!((code, err["error"]["param"].as_str()), (400, Some("prompt")), "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("at most 16"), "{err}");
+
+    // return_progress: before the first decode (the cached prefix counted as processed), then
+    // after each batch of 64 tokens, up to the whole prompt.
+    let long = "This is a test. ".repeat(40);
+    let chat = json!({ "messages": [{ "role": "user", "content": long }], "max_tokens": 4, "stream": true, "return_progress": true });
+    let progress = |events: &[String]| -> Vec<Value> {
+        events.iter().filter_map(|e| serde_json::from_str::<Value>(e).ok()).filter_map(|v| v.get("prompt_progress").cloned()).collect()
+    };
+    let first = progress(&spec.post_sse("/v1/chat/completions", chat.clone()));
+    let total = first[0]["total"].as_u64().unwrap();
+    assert!(total > 128, "{first:?}");
+    let cached = first[0]["cache"].as_u64().unwrap();
+    assert_eq!(first.len() as u64, 1 + (total - cached).div_ceil(64), "{first:?}");
+    assert!(first.windows(2).all(|w| w[1]["processed"].as_u64() > w[0]["processed"].as_u64()), "{first:?}");
+    assert_eq!(first.last().unwrap()["processed"].as_u64(), Some(total));
+    assert_eq!(first[0]["cache"], first[0]["processed"]);
+    // again in the same slot: the cached prefix is reused, one batch decodes the rest
+    let mut again = chat.clone();
+    again["id_slot"] = json!(0);
+    let _ = spec.post_sse("/v1/chat/completions", again.clone());
+    let second = progress(&spec.post_sse("/v1/chat/completions", again));
+    assert!(second[0]["cache"].as_u64().unwrap() > 0 && second.len() == 2, "{second:?}");
+    // without the flag, nothing of it
+    let mut quiet = chat.clone();
+    quiet["return_progress"] = json!(false);
+    assert!(progress(&spec.post_sse("/v1/chat/completions", quiet)).is_empty());
+
+    // timings_per_token: every streamed piece carries the timings so far
+    for (path, body) in [
+        ("/completion", json!({ "prompt": "Once upon a time", "n_predict": 12, "stream": true, "timings_per_token": true })),
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 12, "stream": true, "timings_per_token": true })),
+    ] {
+        let events = spec.post_sse(path, body);
+        let parsed: Vec<Value> = events.iter().filter_map(|e| serde_json::from_str(e).ok()).collect();
+        let counts: Vec<u64> = parsed.iter().filter_map(|v| v["timings"]["predicted_n"].as_u64()).collect();
+        assert!(counts.len() >= 3 && counts.windows(2).all(|w| w[0] <= w[1]), "{path}: {counts:?}");
+        assert!(parsed.iter().filter_map(|v| v["timings"]["draft_n"].as_u64()).any(|n| n > 0), "{path}");
+    }
     spec.wait_idle();
 }
 

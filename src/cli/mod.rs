@@ -254,6 +254,9 @@ pub struct ModelArgs {
     /// Context size in tokens.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     pub ctx_size: usize,
+    /// Prompt tokens decoded per batch (`-b` as in llama.cpp; at least 64).
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    pub batch_size: usize,
     /// Layers to offload to a GPU (GPU builds only).
     #[arg(long = "gpu-layers", default_value_t = 999)]
     pub gpu_layers: i32,
@@ -347,6 +350,7 @@ impl ModelArgs {
     pub fn config(&self, drafter: Option<std::path::PathBuf>) -> crate::engine::EngineConfig {
         let mut cfg = crate::engine::EngineConfig::new(self.model.clone(), drafter);
         cfg.n_ctx = self.ctx_size;
+        cfg.n_batch = self.batch_size;
         cfg.n_threads = self.threads;
         cfg.n_gpu_layers = self.gpu_layers;
         cfg.features = self.features;

@@ -46,7 +46,6 @@ const UNBUILT: &[Unbuilt] = &[
         needs: "probabilities after the samplers (the raw target's are reported)",
     },
     Unbuilt { name: "lora", neutral: empty, needs: "LoRA adapters" },
-    Unbuilt { name: "response_fields", neutral: empty, needs: "response field selection" },
 ];
 
 /// Refuses a field of `body` that asks for something this server does not do.

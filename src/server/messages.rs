@@ -51,7 +51,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
     let n_prompt = prompt.len();
     let stops = opts.stop.clone();
-    let mut events = submit(&s, prompt, opts, 1, slot)?;
+    let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
         id: format!("msg_{:016x}", rand::random::<u64>()),
@@ -252,6 +252,7 @@ impl Answer {
             } else {
                 match rx.recv().await {
                     Some(GenEvent::Tokens { text, .. }) => st.piece(&text),
+                    Some(GenEvent::Progress(_)) => Vec::new(), // never asked for here
                     Some(GenEvent::Done(g)) => st.finish(&g),
                     Some(GenEvent::Error(e)) => st.failure(ApiError::Internal(e)),
                     None => st.failure(ApiError::Internal("the generation ended without a result".into())),

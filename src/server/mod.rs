@@ -9,6 +9,7 @@ pub mod infill;
 pub mod logprobs;
 pub mod messages;
 pub mod metrics;
+pub mod prompt;
 pub mod responses;
 pub mod routes;
 pub mod scheduler;

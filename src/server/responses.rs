@@ -48,7 +48,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
         t.constrain(&mut opts.grammar)?;
     }
     let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
-    let mut events = submit(&s, prompt, opts, 1, slot)?;
+    let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
         id: format!("resp_{:016x}", rand::random::<u64>()),
@@ -247,6 +247,7 @@ impl Answer {
             } else {
                 match rx.recv().await {
                     Some(GenEvent::Tokens { text, .. }) => st.piece(&text),
+                    Some(GenEvent::Progress(_)) => Vec::new(), // never asked for here
                     Some(GenEvent::Done(g)) => st.finish(&g),
                     Some(GenEvent::Error(e)) => st.failure(ApiError::Internal(e)),
                     None => st.failure(ApiError::Internal("the generation ended without a result".into())),

@@ -2,11 +2,12 @@
 //! turned into tokens and [`GenerateOptions`], submitted to the scheduler, and answered by a
 //! [`Reply`] in its endpoint's shape: one JSON body, or server-sent events.
 use super::errors::ApiError;
+use super::prompt::{Part, Prompts};
 use super::scheduler::{GenEvent, GenRequest, QueueFull};
 use super::tools::{self, Tools};
 use super::types::*;
 use super::AppState;
-use crate::engine::{FinishReason, GenerateOptions, Generation, SelectMode};
+use crate::engine::{FinishReason, GenerateOptions, Generation, PromptProgress, SelectMode};
 use crate::llama::{LlamaError, Model, Token};
 use crate::sampling::{SamplingParams, TokenProb};
 use axum::body::Bytes;
@@ -172,7 +173,6 @@ pub async fn slots(State(s): Shared, query: axum::extract::Query<SlotsQuery>) ->
         return Err(ApiError::Busy);
     }
     let defaults = options(&s, SamplingFields::default(), None, "max_tokens")?;
-    let drafts = |o: &GenerateOptions| o.select != SelectMode::None || o.lookup;
     let slots = states
         .into_iter()
         .enumerate()
@@ -190,21 +190,31 @@ pub async fn slots(State(s): Shared, query: axum::extract::Query<SlotsQuery>) ->
                     n_remain: o.n_predict.saturating_sub(st.n_decoded) as i64,
                     n_decoded: st.n_decoded,
                 }],
-                params: SlotParams {
-                    n_predict: o.n_predict as i64,
-                    speculative_n_max: if drafts(&o) { o.block.saturating_sub(1) } else { 0 },
-                    speculative_n_min: 0,
-                    speculative_select: o.select,
-                    sampling: o.sampling,
-                    stop: o.stop,
-                    n_probs: o.n_probs.unwrap_or(0),
-                    grammar: o.grammar.unwrap_or_default(),
-                    samplers: super::fields::SAMPLERS,
-                },
+                params: slot_params(&o),
             }),
         })
         .collect();
     Ok(Json(slots))
+}
+
+/// Whether a request's options draft (a drafter or context look-up).
+fn drafts(o: &GenerateOptions) -> bool {
+    o.select != SelectMode::None || o.lookup
+}
+
+/// A request's settings with llama-server's names (`/slots`, `generation_settings`).
+fn slot_params(o: &GenerateOptions) -> SlotParams {
+    SlotParams {
+        n_predict: o.n_predict as i64,
+        speculative_n_max: if drafts(o) { o.block.saturating_sub(1) } else { 0 },
+        speculative_n_min: 0,
+        speculative_select: o.select,
+        sampling: o.sampling.clone(),
+        stop: o.stop.clone(),
+        n_probs: o.n_probs.unwrap_or(0),
+        grammar: o.grammar.clone().unwrap_or_default(),
+        samplers: super::fields::SAMPLERS,
+    }
 }
 
 pub async fn metrics(State(s): Shared) -> impl IntoResponse {
@@ -240,6 +250,7 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
     let n = choices(req.n)?;
     let slot = preferred_slot(&s, sampling.id_slot)?;
+    let report = Report::of(&sampling);
     let mut opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     opts.n_probs = match (req.logprobs, req.top_logprobs) {
         (Some(true), n) => Some(count("top_logprobs", n.unwrap_or(0), 20)?),
@@ -256,8 +267,8 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
     let prompt = chat_prompt(&s, req.messages, tools.as_ref(), open_turn).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let shape = Shape::Chat { include_usage, tools: tools.filter(Tools::active) };
-    let reply = Reply::new(&s, "chatcmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, n, slot, reply, req.stream.unwrap_or(false)).await
+    let reply = Reply::new(&s, "chatcmpl", shape, &opts, report);
+    generate(&s, vec![prompt], opts, n, slot, reply, req.stream.unwrap_or(false)).await
 }
 
 pub async fn completions(
@@ -266,12 +277,13 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let n = choices(req.n)?;
     let slot = preferred_slot(&s, sampling.id_slot)?;
+    let report = Report::of(&sampling);
     let mut opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     opts.n_probs = req.logprobs.map(|n| count("logprobs", n, 5)).transpose()?;
-    let prompt = prompt_tokens(&s, req.prompt).await?;
+    let prompts = prompt_tokens(&s, req.prompt).await?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage }, opts.n_probs.is_some());
-    generate(&s, prompt, opts, n, slot, reply, req.stream.unwrap_or(false)).await
+    let reply = Reply::new(&s, "cmpl", Shape::Text { include_usage }, &opts, report);
+    generate(&s, prompts, opts, n, slot, reply, req.stream.unwrap_or(false)).await
 }
 
 pub async fn llama_completion(
@@ -280,17 +292,20 @@ pub async fn llama_completion(
 ) -> Result<Response, ApiError> {
     // -1 is llama-server's "no limit": up to the end of the context.
     let slot = preferred_slot(&s, sampling.id_slot)?;
+    let report = Report::of(&sampling);
     let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     opts.n_probs = n_probs(req.n_probs)?;
-    let prompt = prompt_tokens(&s, req.prompt).await?;
-    let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone() };
-    let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, 1, slot, reply, req.stream.unwrap_or(false)).await
+    let prompts = prompt_tokens(&s, req.prompt).await?;
+    let several = prompts.len() > 1;
+    let shape = Shape::Llama { return_tokens: req.return_tokens, stops: opts.stop.clone(), several, fields: req.response_fields };
+    let reply = Reply::new(&s, "cmpl", shape, &opts, report);
+    generate(&s, prompts, opts, 1, slot, reply, req.stream.unwrap_or(false)).await
 }
 
 /// `POST /infill`: code completion between a prefix and a suffix, in `/completion`'s shapes.
 pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequest>) -> Result<Response, ApiError> {
     let slot = preferred_slot(&s, sampling.id_slot)?;
+    let report = Report::of(&sampling);
     let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     opts.n_probs = n_probs(req.n_probs)?;
     let (model, n_ctx, limit) = (s.model().clone(), s.n_ctx(), req.n_predict.filter(|&n| n != -1).map(|_| opts.n_predict));
@@ -299,9 +314,9 @@ pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequ
     let prompt = tokio::task::spawn_blocking(move || super::infill::prompt(&model, &req, n_ctx, limit))
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
-    let shape = Shape::Llama { return_tokens, stops: opts.stop.clone() };
-    let reply = Reply::new(&s, "cmpl", shape, opts.n_probs.is_some());
-    generate(&s, prompt, opts, 1, slot, reply, stream).await
+    let shape = Shape::Llama { return_tokens, stops: opts.stop.clone(), several: false, fields: Vec::new() };
+    let reply = Reply::new(&s, "cmpl", shape, &opts, report);
+    generate(&s, vec![prompt], opts, 1, slot, reply, stream).await
 }
 
 /// A count field between 0 and `max`.
@@ -321,18 +336,21 @@ fn n_probs(n: Option<i64>) -> Result<Option<usize>, ApiError> {
 /// cancels the generation: with the stream, or with this future when a client goes away.
 async fn generate(
     s: &AppState,
-    prompt: Vec<Token>,
+    prompts: Vec<Vec<Token>>,
     opts: GenerateOptions,
     n: usize,
     slot: Option<usize>,
-    reply: Reply,
+    mut reply: Reply,
     stream: bool,
 ) -> Result<Response, ApiError> {
-    let events = submit(s, prompt, opts, n, slot)?;
+    if matches!(reply.shape, Shape::Llama { .. }) {
+        reply.prompt_texts = prompts.iter().map(|p| s.model().detokenize(p, true)).collect();
+    }
+    let events = submit(s, &prompts, opts, n, slot, stream && reply.report.progress)?;
     if stream {
         return Ok(reply.stream(events));
     }
-    let mut gens = Vec::with_capacity(n);
+    let mut gens = Vec::with_capacity(events.len());
     for rx in events {
         gens.push(collect(rx).await?);
     }
@@ -348,31 +366,42 @@ pub(super) fn preferred_slot(s: &AppState, id_slot: Option<i64>) -> Result<Optio
     }
 }
 
-/// Queue `n` generations of a checked prompt (in `slot` when it is free); their events, in order.
+/// Queue `n` generations of each checked prompt (in `slot` when it is free); their events, in
+/// order (prompt by prompt). `progress`: report each prompt's decoding.
 pub(super) fn submit(
     s: &AppState,
-    prompt: Vec<Token>,
+    prompts: &[Vec<Token>],
     opts: GenerateOptions,
     n: usize,
     slot: Option<usize>,
+    progress: bool,
 ) -> Result<Vec<mpsc::Receiver<GenEvent>>, ApiError> {
-    if prompt.is_empty() {
-        return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
+    if prompts.len() * n > MAX_CHOICES {
+        let what = format!("{} prompts x {n} choices: at most {MAX_CHOICES} generations per request", prompts.len());
+        return Err(ApiError::invalid_param("n", what));
     }
-    if prompt.len() >= s.n_ctx() {
-        return Err(ApiError::ContextExceeded { n_prompt: prompt.len(), n_ctx: s.n_ctx() });
+    for prompt in prompts {
+        if prompt.is_empty() {
+            return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
+        }
+        if prompt.len() >= s.n_ctx() {
+            return Err(ApiError::ContextExceeded { n_prompt: prompt.len(), n_ctx: s.n_ctx() });
+        }
     }
     // `n` choices are `n` generations of one prompt, decoded side by side in the slots; at T > 0
     // choice i samples with seed + i (one seed would give n copies of one answer).
-    let mut events = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut opts = opts.clone();
-        opts.sampling.seed = opts.sampling.seed.wrapping_add(i as u64);
-        let rx = s.scheduler.submit(GenRequest { prompt: prompt.clone(), opts, slot }).map_err(|QueueFull| {
-            s.metrics.rejected();
-            ApiError::Busy
-        })?;
-        events.push(rx);
+    let mut events = Vec::with_capacity(prompts.len() * n);
+    for prompt in prompts {
+        for i in 0..n {
+            let mut opts = opts.clone();
+            opts.sampling.seed = opts.sampling.seed.wrapping_add(i as u64);
+            let req = GenRequest { prompt: prompt.clone(), opts, slot, progress };
+            let rx = s.scheduler.submit(req).map_err(|QueueFull| {
+                s.metrics.rejected();
+                ApiError::Busy
+            })?;
+            events.push(rx);
+        }
     }
     Ok(events)
 }
@@ -565,17 +594,30 @@ fn template_refused(e: LlamaError) -> ApiError {
     ApiError::invalid_param("messages", format!("the chat template refused the messages: {e}"))
 }
 
-async fn prompt_tokens(s: &AppState, prompt: Prompt) -> Result<Vec<Token>, ApiError> {
-    let text = match prompt {
-        Prompt::Tokens(ids) => return token_ids(s.model(), &ids, "prompt"),
-        Prompt::Text(t) => t,
-        Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
-        Prompt::Texts(v) => {
-            return Err(ApiError::invalid_param("prompt", format!("{} prompts: send one prompt per request", v.len())))
-        }
-    };
+/// Each prompt's tokens. A text that opens a prompt gets the model's BOS (as llama-server adds
+/// it); ids are checked against the vocabulary.
+async fn prompt_tokens(s: &AppState, prompts: Prompts) -> Result<Vec<Vec<Token>>, ApiError> {
     let model = s.model().clone();
-    blocking(move || model.tokenize(&text, true, true)).await
+    tokio::task::spawn_blocking(move || {
+        prompts
+            .0
+            .iter()
+            .map(|parts| {
+                let mut tokens = Vec::new();
+                for (i, part) in parts.iter().enumerate() {
+                    match part {
+                        Part::Id(id) => tokens.extend(token_ids(&model, &[*id], "prompt")?),
+                        Part::Text(t) => {
+                            tokens.extend(model.tokenize(t, i == 0, true).map_err(|e| ApiError::invalid(e.to_string()))?)
+                        }
+                    }
+                }
+                Ok(tokens)
+            })
+            .collect()
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
 }
 
 /// Token ids from a client's field `param`, each checked against the vocabulary (llama.cpp does
@@ -609,7 +651,24 @@ enum Shape {
     /// `tools`: tool calls are parsed out of the answer.
     Chat { include_usage: bool, tools: Option<Tools> },
     Text { include_usage: bool },
-    Llama { return_tokens: bool, stops: Vec<String> },
+    /// `several`: the request held several prompts (answered as a list); `fields`: only these
+    /// fields of each end (llama-server's `response_fields`).
+    Llama { return_tokens: bool, stops: Vec<String>, several: bool, fields: Vec<String> },
+}
+
+/// llama-server's reporting fields of a request.
+#[derive(Debug, Clone, Copy, Default)]
+struct Report {
+    /// `timings_per_token`: every streamed piece carries the timings so far.
+    timings_per_token: bool,
+    /// `return_progress`: a streamed answer first tells how far its prompt is.
+    progress: bool,
+}
+
+impl Report {
+    fn of(f: &SamplingFields) -> Self {
+        Self { timings_per_token: f.timings_per_token == Some(true), progress: f.return_progress == Some(true) }
+    }
 }
 
 /// How one generation is answered: its endpoint's shapes and the ids its pieces share.
@@ -621,6 +680,11 @@ struct Reply {
     target: Arc<Model>,
     /// Log-probabilities were asked for.
     logprobs: bool,
+    report: Report,
+    /// The request's settings (llama-server's `generation_settings`).
+    settings: SlotParams,
+    /// Each prompt as text (llama-server's ends show it).
+    prompt_texts: Vec<String>,
     /// Characters of text streamed so far (OpenAI's legacy `text_offset`).
     streamed_chars: std::sync::Mutex<Vec<usize>>,
     /// Per choice of a streamed chat with tools: its content so far.
@@ -628,14 +692,17 @@ struct Reply {
 }
 
 impl Reply {
-    fn new(s: &AppState, prefix: &str, shape: Shape, logprobs: bool) -> Self {
+    fn new(s: &AppState, prefix: &str, shape: Shape, opts: &GenerateOptions, report: Report) -> Self {
         Self {
             shape,
             id: format!("{prefix}-{:016x}", rand::random::<u64>()),
             created: now(),
             model: s.model_id().to_string(),
             target: s.model().clone(),
-            logprobs,
+            logprobs: opts.n_probs.is_some(),
+            report,
+            settings: slot_params(opts),
+            prompt_texts: Vec::new(),
             streamed_chars: Default::default(),
             tool_text: Default::default(),
         }
@@ -690,7 +757,11 @@ impl Reply {
                     .collect();
                 Json(Completion { usage, timings, ..self.envelope("text_completion", choices) }).into_response()
             }
-            Shape::Llama { .. } => Json(self.llama_end(gens[0].text.clone(), &gens[0])).into_response(),
+            Shape::Llama { several: false, .. } => Json(self.llama_end(0, gens[0].text.clone(), &gens[0])).into_response(),
+            Shape::Llama { several: true, .. } => {
+                let all: Vec<_> = gens.iter().enumerate().map(|(i, g)| self.llama_end(i, g.text.clone(), g)).collect();
+                Json(all).into_response()
+            }
         }
     }
 
@@ -718,9 +789,11 @@ impl Reply {
         let body = stream::unfold((merged, Some(self), Vec::new()), move |(mut merged, reply, mut done)| async move {
             let reply = reply?; // gone after the last event
             let (out, reply) = match merged.next().await {
-                Some((i, GenEvent::Tokens { tokens, text, probs })) => {
-                    (reply.piece(i, tokens, text, probs).into_iter().collect(), Some(reply))
+                Some((i, GenEvent::Tokens { tokens, text, probs, stats })) => {
+                    let timings = reply.report.timings_per_token.then(|| Timings::from(&*stats));
+                    (reply.piece(i, tokens, text, probs, timings).into_iter().collect(), Some(reply))
                 }
+                Some((i, GenEvent::Progress(p))) => (vec![reply.progress(i, p)], Some(reply)),
                 Some((i, GenEvent::Done(g))) => {
                     let mut out = reply.finish(i, &g);
                     done.push(*g);
@@ -742,8 +815,16 @@ impl Reply {
     }
 
     /// A streamed piece of choice `index`: its text, and its tokens' log-probabilities when
-    /// asked for (a piece whose text is held back still carries them).
-    fn piece(&self, index: usize, tokens: Vec<Token>, text: String, probs: Vec<TokenProb>) -> Option<Event> {
+    /// asked for (a piece whose text is held back still carries them); `timings` so far when
+    /// asked for.
+    fn piece(
+        &self,
+        index: usize,
+        tokens: Vec<Token>,
+        text: String,
+        probs: Vec<TokenProb>,
+        timings: Option<Timings>,
+    ) -> Option<Event> {
         let with_probs = self.logprobs && !probs.is_empty();
         match &self.shape {
             Shape::Chat { tools, .. } => {
@@ -754,7 +835,7 @@ impl Reply {
                 if text.is_empty() && !with_probs {
                     return None;
                 }
-                let mut chunk = self.chat_delta(index, None, Some(Some(text)), None, None);
+                let mut chunk = self.chat_delta(index, None, Some(Some(text)), None, timings);
                 chunk.choices[0].logprobs = self.chat_logprobs(&probs);
                 Some(event(&chunk))
             }
@@ -767,7 +848,7 @@ impl Reply {
                     chars[index] += text.chars().count();
                     before
                 };
-                let mut chunk = self.text_piece(index, text, None);
+                let mut chunk = Completion { timings, ..self.text_piece(index, text, None) };
                 chunk.choices[0].logprobs = self.text_logprobs(&probs, offset);
                 Some(event(&chunk))
             }
@@ -775,9 +856,18 @@ impl Reply {
             // adds them to a whole answer)
             Shape::Llama { .. } if !text.is_empty() || with_probs || !tokens.is_empty() => {
                 let completion_probabilities = self.logprobs.then(|| super::logprobs::llama(&self.target, &probs));
-                Some(event(&LlamaCompletion { content: text, tokens, stop: false, completion_probabilities, end: None }))
+                Some(event(&LlamaCompletion { content: text, tokens, completion_probabilities, timings, ..LlamaCompletion::piece(index) }))
             }
             _ => None,
+        }
+    }
+
+    /// How far choice `index`'s prompt is (llama-server's `prompt_progress` chunk).
+    fn progress(&self, index: usize, p: PromptProgress) -> Event {
+        match &self.shape {
+            Shape::Chat { .. } => event(&ChatCompletion { prompt_progress: Some(p), ..self.envelope("chat.completion.chunk", Vec::new()) }),
+            Shape::Text { .. } => event(&TextCompletion { prompt_progress: Some(p), ..self.envelope("text_completion", Vec::new()) }),
+            Shape::Llama { .. } => event(&LlamaCompletion { prompt_progress: Some(p), ..LlamaCompletion::piece(index) }),
         }
     }
 
@@ -807,7 +897,7 @@ impl Reply {
                 out
             }
             Shape::Text { .. } => vec![event(&Completion { timings, ..self.text_piece(index, String::new(), reason) })],
-            Shape::Llama { .. } => vec![event(&self.llama_end(String::new(), g))],
+            Shape::Llama { .. } => vec![event(&self.llama_end(index, String::new(), g))],
         }
     }
 
@@ -847,6 +937,7 @@ impl Reply {
             choices,
             usage: None,
             timings: None,
+            prompt_progress: None,
         }
     }
 
@@ -877,18 +968,36 @@ impl Reply {
         self.envelope("text_completion", vec![TextChoice { index: index as u32, text, logprobs: None, finish_reason: finish }])
     }
 
-    fn llama_end(&self, content: String, g: &Generation) -> LlamaCompletion {
-        let Shape::Llama { return_tokens, stops } = &self.shape else {
+    /// The end of prompt `index`'s answer: the whole object, or the fields asked for.
+    fn llama_end(&self, index: usize, content: String, g: &Generation) -> serde_json::Value {
+        let Shape::Llama { fields, .. } = &self.shape else { unreachable!("llama_end is only called for /completion") };
+        let end = serde_json::to_value(self.llama_end_whole(index, content, g)).expect("response shapes serialize");
+        if fields.is_empty() {
+            return end;
+        }
+        // llama-server's response_fields: each path found, under the path as its key
+        let found = fields.iter().filter_map(|path| {
+            let value = path.split('/').try_fold(&end, |v, key| v.as_object()?.get(key))?;
+            Some((path.clone(), value.clone()))
+        });
+        serde_json::Value::Object(found.collect())
+    }
+
+    fn llama_end_whole(&self, index: usize, content: String, g: &Generation) -> LlamaCompletion {
+        let Shape::Llama { return_tokens, stops, .. } = &self.shape else {
             unreachable!("llama_end is only called for /completion")
         };
         let s = &g.stats;
         // a streamed answer sent them with its pieces
         let whole = !content.is_empty() || g.text.is_empty();
         LlamaCompletion {
+            index,
             content,
             tokens: if *return_tokens { g.tokens.clone() } else { Vec::new() },
             stop: true,
             completion_probabilities: (self.logprobs && whole).then(|| super::logprobs::llama(&self.target, &g.probs)),
+            timings: Some(Timings::from(s)),
+            prompt_progress: None,
             end: Some(LlamaEnd {
                 model: self.model.clone(),
                 tokens_predicted: g.tokens.len(),
@@ -898,7 +1007,8 @@ impl Reply {
                 stopping_word: stopping_word(&self.target, g, stops),
                 has_new_line: g.text.contains('\n'),
                 truncated: false,
-                timings: Timings::from(s),
+                prompt: self.prompt_texts.get(index).cloned().unwrap_or_default(),
+                generation_settings: self.settings.clone(),
             }),
         }
     }
@@ -930,7 +1040,7 @@ pub(super) fn stopping_word(model: &Model, g: &Generation, stops: &[String]) -> 
 pub(super) async fn collect(mut events: mpsc::Receiver<GenEvent>) -> Result<Generation, ApiError> {
     while let Some(e) = events.recv().await {
         match e {
-            GenEvent::Tokens { .. } => {}
+            GenEvent::Tokens { .. } | GenEvent::Progress(_) => {}
             GenEvent::Done(g) => return Ok(*g),
             GenEvent::Error(e) => return Err(ApiError::Internal(e)),
         }
@@ -971,7 +1081,7 @@ mod tests {
 
         let llama = format!(r#"{{"prompt": [1, 2], "n_predict": 5, "return_tokens": true, {sampling}}}"#);
         let req: LlamaCompletionRequest = parse_body(llama.as_bytes()).unwrap();
-        assert!(matches!(req.prompt, Prompt::Tokens(ref t) if t == &[1, 2]) && req.return_tokens);
+        assert!(req.prompt == Prompts(vec![vec![Part::Id(1), Part::Id(2)]]) && req.return_tokens);
         check(parse_body(llama.as_bytes()).unwrap());
     }
 

@@ -9,7 +9,7 @@
 //! does) keeps an OpenMP team alive. With more OpenMP threads than cores, libgomp stops
 //! spinning at its barriers and every op waits for a wake-up: decoding ran 5x slower.
 use super::metrics::{Busy, Metrics};
-use crate::engine::{self, Engine, EngineConfig, GenerateOptions, Generation, Run};
+use crate::engine::{self, Engine, EngineConfig, GenerateOptions, Generation, PromptProgress, Run, Stats};
 use crate::llama::{Model, Token};
 use crate::sampling::TokenProb;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -27,9 +27,12 @@ pub struct GenRequest {
     /// The slot asked for (llama-server's `id_slot`): taken when it is free, else any free one
     /// (the answer is the same in every slot; only the cached prefix a slot reuses differs).
     pub slot: Option<usize>,
+    /// Send [`GenEvent::Progress`] while the prompt is decoded (llama-server's `return_progress`).
+    pub progress: bool,
 }
 
-/// What a request receives, in order: `Tokens` per decode cycle, then `Done` or `Error`.
+/// What a request receives, in order: `Progress` while its prompt is decoded (when asked for),
+/// `Tokens` per decode cycle, then `Done` or `Error`.
 /// Dropping the receiver cancels the request: its slot is freed after the current cycle.
 #[derive(Debug)]
 pub enum GenEvent {
@@ -40,7 +43,11 @@ pub enum GenEvent {
         text: String,
         /// Log-probabilities of the tokens committed since the last event (when asked for).
         probs: Vec<TokenProb>,
+        /// The generation's counters so far (llama-server's `timings_per_token`).
+        stats: Box<Stats>,
     },
+    /// How far the prompt is, when asked for: before its first decode and after each batch.
+    Progress(PromptProgress),
     Done(Box<Generation>),
     Error(String),
 }
@@ -276,7 +283,15 @@ impl Worker {
             self.rebuild(); // a failed rebuild is retried with each request
         }
         let started = match self.engine.as_mut() {
-            Some(engine) => catch_unwind(AssertUnwindSafe(|| engine.start_in(slot, &job.req.prompt, &job.req.opts))),
+            Some(engine) => catch_unwind(AssertUnwindSafe(|| {
+                let events = &job.events;
+                let mut progress = |p: PromptProgress| {
+                    if job.req.progress {
+                        let _ = events.blocking_send(GenEvent::Progress(p));
+                    }
+                };
+                engine.start_reporting(slot, &job.req.prompt, &job.req.opts, &mut progress)
+            })),
             None => Ok(Err(engine::EngineError::Config("the engine cannot be built (see the log)".into()))),
         };
         match started {
@@ -348,7 +363,8 @@ impl Worker {
         } else {
             let probs = a.run.probs()[a.probs_sent..].to_vec();
             a.probs_sent += probs.len();
-            a.job.events.blocking_send(GenEvent::Tokens { tokens, text: released, probs }).is_err()
+            let stats = Box::new(a.run.stats());
+            a.job.events.blocking_send(GenEvent::Tokens { tokens, text: released, probs, stats }).is_err()
         };
         if gone {
             a.run.cancel();

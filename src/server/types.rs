@@ -5,7 +5,8 @@
 //! both buffer values through serde's `Content`, which loses the field path of an error and, were
 //! serde_json's `arbitrary_precision` ever on in the build, sees every fractional number as a map.
 //! Fields shared by several routes are a struct of their own, read from the same body (`Sampled`).
-use crate::engine::{FinishReason, Generation, Stats};
+use super::prompt::Prompts;
+use crate::engine::{FinishReason, Generation, PromptProgress, Stats};
 use crate::llama::Token;
 use serde::{Deserialize, Serialize};
 
@@ -40,6 +41,10 @@ pub struct SamplingFields {
     pub lookup_ngram: Option<i64>,
     /// llama-server's slot choice: -1 (or none) for any; else that slot when it is free.
     pub id_slot: Option<i64>,
+    /// llama-server's reporting while streaming: `timings` in every piece, and the prompt's
+    /// progress (`prompt_progress`) before the first.
+    pub timings_per_token: Option<bool>,
+    pub return_progress: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -137,21 +142,12 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// A prompt as text, as token ids, or as a list holding one text.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Prompt {
-    Text(String),
-    Tokens(Vec<i64>),
-    Texts(Vec<String>),
-}
-
 /// `POST /v1/completions`.
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     /// Accepted and not checked: one model is served.
     pub model: Option<String>,
-    pub prompt: Prompt,
+    pub prompt: Prompts,
     pub max_tokens: Option<i64>,
     pub n: Option<i64>,
     pub stream: Option<bool>,
@@ -163,7 +159,7 @@ pub struct CompletionRequest {
 /// llama-server's `POST /completion`.
 #[derive(Debug, Deserialize)]
 pub struct LlamaCompletionRequest {
-    pub prompt: Prompt,
+    pub prompt: Prompts,
     /// -1: until the end of generation or of the context.
     pub n_predict: Option<i64>,
     pub stream: Option<bool>,
@@ -171,6 +167,10 @@ pub struct LlamaCompletionRequest {
     pub return_tokens: bool,
     /// Log-probabilities of each token and this many alternatives (`completion_probabilities`).
     pub n_probs: Option<i64>,
+    /// Only these fields of the answer, by path (`generation_settings/n_predict`), each under
+    /// its path as a key.
+    #[serde(default)]
+    pub response_fields: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -318,6 +318,8 @@ pub struct Completion<C> {
     pub usage: Option<Usage>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timings: Option<Timings>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_progress: Option<PromptProgress>,
 }
 
 pub type ChatCompletion = Completion<ChatChoice>;
@@ -414,13 +416,35 @@ pub struct TextLogprobs {
 /// llama-server's `/completion` answer; a streamed piece carries only the first fields.
 #[derive(Debug, Serialize)]
 pub struct LlamaCompletion {
+    /// Which prompt of the request this answers.
+    pub index: usize,
     pub content: String,
     pub tokens: Vec<Token>,
     pub stop: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub completion_probabilities: Option<Vec<ChatLogprob>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_progress: Option<PromptProgress>,
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub end: Option<LlamaEnd>,
+}
+
+impl LlamaCompletion {
+    /// An empty streamed piece of prompt `index`'s answer, for the fields to fill.
+    pub fn piece(index: usize) -> Self {
+        Self {
+            index,
+            content: String::new(),
+            tokens: Vec::new(),
+            stop: false,
+            completion_probabilities: None,
+            timings: None,
+            prompt_progress: None,
+            end: None,
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -435,7 +459,10 @@ pub struct LlamaEnd {
     pub has_new_line: bool,
     /// Always false: a prompt over the context is refused, never cut.
     pub truncated: bool,
-    pub timings: Timings,
+    /// The prompt as text, special tokens written out.
+    pub prompt: String,
+    /// The request's settings, as `/slots` shows them.
+    pub generation_settings: SlotParams,
 }
 
 #[derive(Debug, Serialize)]
@@ -550,7 +577,7 @@ pub struct SlotTask {
 }
 
 /// A slot's request settings, with llama-server's names.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct SlotParams {
     pub n_predict: i64,
     #[serde(flatten)]

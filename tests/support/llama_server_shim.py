@@ -42,12 +42,13 @@ RENAMED = {
     "--chat-template": "--chat-template", "--chat-template-file": "--chat-template-file",
     "-ctk": "--cache-type-k", "--cache-type-k": "--cache-type-k",
     "-ctv": "--cache-type-v", "--cache-type-v": "--cache-type-v",
+    "--batch-size": "--batch-size", "-b": "--batch-size",
 }
 SWITCHES = {"--slots": "--slots", "--no-slots": "--no-slots"}
 
-# Dropped with their value: batching, offload and attention kernels do not change answers here;
-# CORS mirrors every origin (README).
-DROPPED_VALUE = {"--batch-size", "-b", "--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-fa",
+# Dropped with their value: the micro-batch, offload and attention kernels do not change answers
+# here; CORS mirrors every origin (README).
+DROPPED_VALUE = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-fa",
                  "--flash-attn", "--cache-ram", "--cors-origins", "--reasoning-format",
                  "--spec-draft-n-min", "--spec-draft-n-max", "--hf-token"}
 # Dropped switches: continuous batching, the chat template's Jinja rendering and /metrics are
