@@ -149,6 +149,9 @@ pub struct GenerateOptions {
     /// Constrain the output to this GBNF grammar (root rule `root`): the target law is the
     /// grammar-masked one, for plain and speculative decoding alike.
     pub grammar: Option<String>,
+    /// With these words, the grammar holds only from the first of them on (the text before it
+    /// is free; llama.cpp's lazy grammar, as tool calls use it). Empty: from the first token.
+    pub grammar_triggers: Vec<String>,
     /// Report each output token's log-probability and this many likeliest alternatives
     /// (None: none), from the same target rows that chose it.
     pub n_probs: Option<usize>,
@@ -183,6 +186,7 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             n_probs: None,
             grammar: None,
+            grammar_triggers: Vec::new(),
             verifier: Verifier::Rejection,
         }
     }
@@ -567,7 +571,7 @@ impl Engine {
             stats: Stats { n_prompt: prompt.len(), ..Stats::default() },
             out: Output::default(),
             probs: Vec::new(),
-            grammar: opts.grammar.as_deref().map(|g| Grammar::new(self.target.model(), g)).transpose()?,
+            grammar: opts.grammar.as_deref().map(|g| Grammar::lazy(self.target.model(), g, &opts.grammar_triggers)).transpose()?,
             next: 0,
             finish: None,
             speculative,

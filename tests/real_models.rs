@@ -205,6 +205,43 @@ fn smollm2_grammar_constrained_output_is_lossless() {
     }
 }
 
+/// A lazy grammar (llama.cpp's, as tool calls with `auto` use it): the text is free until the
+/// trigger, and the grammar holds from the trigger's first character; plain and speculative
+/// decoding follow the same law, so every mode gives plain decoding's tokens.
+#[test]
+fn smollm2_lazy_grammar_holds_from_its_trigger_and_is_lossless() {
+    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter));
+    let (target, drafter) = Engine::load_models(&cfg).unwrap();
+    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
+    let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
+    let prompt = chat_prompt(&target, "Tell me about the sea.");
+    let grammar = r#"root ::= "the" [a-z ]* ".""#.to_string();
+    let opts = GenerateOptions {
+        n_predict: 64,
+        select: SelectMode::None,
+        grammar: Some(grammar),
+        grammar_triggers: vec!["the".into()],
+        ..Default::default()
+    };
+    let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
+    let text = &baseline.text;
+    let at = text.find("the").unwrap_or_else(|| panic!("no trigger in {text:?}"));
+    // before the trigger the text is free (here it holds what the grammar forbids)...
+    assert!(text[..at].chars().any(|c| !(c.is_ascii_lowercase() || c == ' ' || c == '.')), "{text:?}");
+    // ...and from it on the grammar holds, to its end
+    let held = &text[at..];
+    assert!(held[3..].chars().all(|c| c.is_ascii_lowercase() || c == ' ' || c == '.'), "{text:?}");
+    assert!(held.ends_with('.') && held.matches('.').count() == 1, "{text:?}");
+    assert_eq!(baseline.finish, dflash2::engine::FinishReason::Eog, "{text:?}");
+    for (select, lookup) in [(SelectMode::Greedy, false), (SelectMode::BestPath, false), (SelectMode::Tree, true)] {
+        let opts = GenerateOptions { select, block: 8, lookup, ..opts.clone() };
+        let g = spec.generate(&prompt, &opts, |_| true).unwrap();
+        assert_eq!(g.tokens, baseline.tokens, "{select:?}: {:?} vs {:?}", g.text, baseline.text);
+        assert!(g.stats.n_drafted > 0);
+    }
+}
+
 /// A quantized target K cache (`-ctk q8_0`, llama.cpp's memory saver) and f16 drafter
 /// caches: speculative output still equals plain decoding with the same target cache.
 #[test]

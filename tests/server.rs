@@ -1038,6 +1038,17 @@ fn tool_calls_come_back_in_openai_shape_on_real_models() {
     assert_eq!(spec["usage"], plain["usage"]);
     assert!(spec["timings"]["draft_n"].as_u64().unwrap() > 0 && plain["timings"]["draft_n"] == 0, "{spec}\n{plain}");
 
+    // `auto`: free text until the answer writes `<tool_call>`, then a lazy grammar holds the
+    // call (as llama-server sets it): the same answer with look-up drafting as without. (This
+    // model answers in a JSON code block here: no call; the engine test covers the trigger.)
+    let auto = json!({ "messages": ask, "tools": [add, weather], "max_tokens": 64 });
+    let spec = server.post_ok("/v1/chat/completions", auto.clone());
+    let mut plain = auto.clone();
+    plain["lookup"] = json!(false);
+    let plain = server.post_ok("/v1/chat/completions", plain);
+    assert_eq!(spec["choices"][0]["message"], plain["choices"][0]["message"]);
+    assert!(spec["timings"]["draft_n"].as_u64().unwrap() > 0, "{spec}");
+
     // The official SDK: whole, streamed (its own accumulation and by hand), and the conversation
     // continued with its assistant message and a tool result.
     let r = openai_scenario(&["tools", &server.base, "any-model"]);

@@ -46,7 +46,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     if let Some(t) = &tools {
-        t.constrain(&mut opts.grammar)?;
+        t.constrain(&mut opts)?;
     }
     let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
     let n_prompt = prompt.len();

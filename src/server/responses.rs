@@ -45,7 +45,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
     let slot = preferred_slot(&s, sampling.id_slot)?;
     let mut opts = options(&s, sampling, req.max_output_tokens, "max_output_tokens")?;
     if let Some(t) = &tools {
-        t.constrain(&mut opts.grammar)?;
+        t.constrain(&mut opts)?;
     }
     let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
     let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;

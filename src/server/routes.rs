@@ -261,7 +261,7 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
     };
     let tools = chat_tools(&s, &req)?;
     if let Some(t) = &tools {
-        t.constrain(&mut opts.grammar)?;
+        t.constrain(&mut opts)?;
     }
     let open_turn = generation_prompt(&req)?;
     let prompt = chat_prompt(&s, req.messages, tools.as_ref(), open_turn).await?;

@@ -11,6 +11,7 @@
 //! parsing is post-processing of the answer's text, whose tokens are plain decoding's.
 use super::errors::ApiError;
 use super::types::{FunctionCall, ToolCallOut};
+use crate::engine::GenerateOptions;
 use crate::template::ChatTemplate;
 use serde_json::{json, Value};
 
@@ -160,25 +161,28 @@ impl Tools {
     }
 
     /// Sets the grammar of a request whose calls are parsed (refused beside a grammar of the
-    /// request's own, as llama.cpp refuses it).
-    pub fn constrain(&self, grammar: &mut Option<String>) -> Result<(), ApiError> {
+    /// request's own, as llama.cpp refuses it). With Hermes and `auto`, the answer is free text
+    /// until it writes `<tool_call>`, and the grammar holds the calls from there (llama.cpp's
+    /// lazy grammar, as llama-server sets it).
+    pub fn constrain(&self, opts: &mut GenerateOptions) -> Result<(), ApiError> {
         if !self.active() {
             return Ok(());
         }
-        if grammar.is_some() {
+        if opts.grammar.is_some() {
             return Err(ApiError::invalid_param("tools", "give `tools` or a `grammar` / `json_schema` / `response_format`, not both"));
         }
-        *grammar = self.grammar()?;
+        opts.grammar = self.grammar()?;
+        if (self.format, &self.choice) == (Format::Hermes, &Choice::Auto) {
+            opts.grammar_triggers = vec![OPEN.to_string()];
+        }
         Ok(())
     }
 
     /// The grammar that holds the answer to the calls asked for: always in the generic format
-    /// (its answer is JSON), for `required` or a named function with Hermes. `auto` with Hermes
-    /// is free text (llama.cpp's grammar there is lazy, started by `<tool_call>`; this server's
-    /// grammars hold from the first token).
+    /// (its answer is JSON); with Hermes, the calls in their tags.
     fn grammar(&self) -> Result<Option<String>, ApiError> {
         let schema = match (self.format, &self.choice) {
-            (_, Choice::None) | (Format::Hermes, Choice::Auto) => return Ok(None),
+            (_, Choice::None) => return Ok(None),
             (Format::Generic { .. }, _) => self.generic_schema(),
             (Format::Hermes, _) => self.call_schema(),
         };
