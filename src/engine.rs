@@ -1138,7 +1138,13 @@ impl Engine {
         run.stats.n_prompt_decoded = todo.len();
         let n_batch = self.batch.capacity();
         let t_start = run.t_start;
-        let report = |processed: usize| PromptProgress { total: prompt.len(), cache: keep, processed, ms: ms_since(t_start) };
+        // (the report before the first decode has taken no time yet)
+        let report = |processed: usize| PromptProgress {
+            total: prompt.len(),
+            cache: keep,
+            processed,
+            ms: if processed == keep { 0.0 } else { ms_since(t_start) },
+        };
         progress(report(keep));
         let mut last_logits_row = 0;
         for (c, chunk) in todo.chunks(n_batch).enumerate() {

@@ -50,8 +50,20 @@ pub struct SamplingParams {
     /// The window of all three penalties; `<= 0` disables them.
     pub repeat_last_n: i32,
     /// Added to the logits of these token ids before anything else (`-inf` bans a token).
+    /// Shown as llama-server shows it: `[{"token", "bias"}]`, `-inf` as null.
+    #[serde(serialize_with = "bias_as_llama_server")]
     pub logit_bias: Vec<(i32, f32)>,
     pub seed: u64,
+}
+
+fn bias_as_llama_server<S: serde::Serializer>(bias: &[(i32, f32)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let mut seq = s.serialize_seq(Some(bias.len()))?;
+    for &(token, bias) in bias {
+        // serde_json writes a non-finite float as null, as llama-server's nlohmann::json does
+        seq.serialize_element(&serde_json::json!({ "token": token, "bias": bias }))?;
+    }
+    seq.end()
 }
 
 impl Default for SamplingParams {

@@ -445,6 +445,32 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     ] {
         assert!(metrics.contains(&format!("# TYPE dflash2_{name} ")), "no {name} in {metrics}");
     }
+    // llama-server's family, for dashboards built on it: each with its type and help
+    for (name, kind) in [
+        ("prompt_tokens_total", "counter"),
+        ("prompt_tokens_cached_total", "counter"),
+        ("tokens_predicted_total", "counter"),
+        ("n_decode_total", "counter"),
+        ("spec_decode_num_draft_tokens_total", "counter"),
+        ("spec_decode_num_accepted_tokens_total", "counter"),
+        ("predicted_tokens_seconds", "gauge"),
+        ("requests_processing", "gauge"),
+        ("n_busy_slots_per_decode", "gauge"),
+    ] {
+        assert!(metrics.contains(&format!("# TYPE llamacpp:{name} {kind}\n")), "no llamacpp:{name} in {metrics}");
+        assert!(metrics.contains(&format!("# HELP llamacpp:{name} ")), "no help for llamacpp:{name}");
+    }
+    let value = |name: &str| -> f64 {
+        let prefix = format!("llamacpp:{name} ");
+        metrics.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap().parse().unwrap()
+    };
+    assert_eq!(value("tokens_predicted_total"), server.metric("tokens_predicted_total"));
+    assert_eq!(value("spec_decode_num_draft_tokens_total"), server.metric("draft_tokens_total"));
+    assert!(value("n_decode_total") >= server.metric("cycles_total") && value("requests_processing") == 0.0);
+    let (code, head) = curl(&["-D", "-", "-o", "/dev/null", &format!("{}/metrics", server.base)]);
+    assert_eq!(code, 200);
+    let started: u64 = head.lines().find_map(|l| l.strip_prefix("process-start-time-unix: ")).unwrap().trim().parse().unwrap();
+    assert!(started > 1_700_000_000, "{head}");
     assert_eq!(server.metric("requests_finished_total"), 14.0);
     let n_stopped = stopped["tokens_predicted"].as_f64().unwrap();
     let n_sampled: f64 = runs.iter().map(|t| t.as_array().unwrap().len() as f64).sum();
@@ -1259,6 +1285,12 @@ fn several_prompts_progress_and_timings_come_in_llama_servers_shapes() {
     assert_eq!(keys, ["content", "generation_settings/n_predict", "prompt"], "{picked}");
     assert_eq!((&picked["content"], &picked["generation_settings/n_predict"]), (&sea, &json!(8)));
     assert!(picked["prompt"].as_str().unwrap().ends_with("The sea"), "{picked}");
+    // ignore_eos bans every end-of-generation token, shown as llama-server shows it
+    let ignoring = spec.post_ok("/completion", json!({ "prompt": "The sea", "n_predict": 4, "ignore_eos": true }));
+    let bias = ignoring["generation_settings"]["logit_bias"].as_array().unwrap().clone();
+    assert!(!bias.is_empty() && bias.iter().all(|b| b["bias"].is_null() && b["token"].is_u64()), "{ignoring}");
+    let plain_bias = spec.post_ok("/completion", json!({ "prompt": "The sea", "n_predict": 4, "ignore_eos": false }));
+    assert_eq!(plain_bias["generation_settings"]["logit_bias"], json!([]));
     // ids with a text among them are one prompt (llama-server's mixed prompt)
     // (a text after the first piece gets no BOS)
     let bare = spec.post_ok("/tokenize", json!({ "content": "The quick brown fox" }))["tokens"].as_array().unwrap().len() as u64;
@@ -1304,6 +1336,16 @@ fn several_prompts_progress_and_timings_come_in_llama_servers_shapes() {
     let _ = spec.post_sse("/v1/chat/completions", again.clone());
     let second = progress(&spec.post_sse("/v1/chat/completions", again));
     assert!(second[0]["cache"].as_u64().unwrap() > 0 && second.len() == 2, "{second:?}");
+    // with timings_per_token, each report carries the timings so far; none before a decode
+    let mut timed = chat.clone();
+    timed["timings_per_token"] = json!(true);
+    timed["messages"][0]["content"] = json!(format!("{long} Once more."));
+    let events: Vec<Value> = spec.post_sse("/v1/chat/completions", timed).iter().filter_map(|e| serde_json::from_str(e).ok()).collect();
+    let reports: Vec<&Value> = events.iter().filter(|v| v.get("prompt_progress").is_some()).collect();
+    assert_eq!((reports[0]["timings"]["prompt_ms"].as_f64(), reports[0]["timings"]["predicted_n"].as_u64()), (Some(0.0), Some(0)));
+    let last = reports.last().unwrap();
+    assert_eq!(last["timings"]["prompt_n"].as_u64().unwrap() + last["timings"]["cache_n"].as_u64().unwrap(), last["prompt_progress"]["total"].as_u64().unwrap());
+    assert!(last["timings"]["prompt_ms"].as_f64().unwrap() > 0.0, "{last}");
     // without the flag, nothing of it
     let mut quiet = chat.clone();
     quiet["return_progress"] = json!(false);

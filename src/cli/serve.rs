@@ -95,6 +95,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         metrics,
         model_ids: if args.alias.is_empty() { vec![file_name(&args.models.model)] } else { args.alias.clone() },
         model_tags: args.tags.clone(),
+        started_unix: crate::server::routes::now(),
         drafter_path: drafter.map(|d| d.display().to_string()),
         api_key: args.api_key.clone(),
         defaults: Defaults {

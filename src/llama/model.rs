@@ -199,6 +199,11 @@ impl Model {
         unsafe { sys::llama_vocab_is_eog(self.vocab_ptr(), token) }
     }
 
+    /// Every end-of-generation token of the vocabulary.
+    pub fn eog_tokens(&self) -> Vec<Token> {
+        (0..self.n_vocab() as Token).filter(|&t| self.is_eog(t)).collect()
+    }
+
     /// The mask token that fills a DFlash block, if the vocabulary has one.
     pub fn mask_token(&self) -> Option<Token> {
         let t = unsafe { sys::llama_vocab_mask(self.vocab_ptr()) };

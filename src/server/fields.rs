@@ -39,7 +39,6 @@ const UNBUILT: &[Unbuilt] = &[
     Unbuilt { name: "top_n_sigma", neutral: |v| null_or(v, |v| num(v).is_some_and(|x| x <= 0.0)), needs: "a sampler" },
     Unbuilt { name: "dynatemp_range", neutral: |v| null_or(v, |v| num(v).is_some_and(|x| x <= 0.0)), needs: "a sampler" },
     Unbuilt { name: "min_keep", neutral: |v| null_or(v, |v| num(v) == Some(0.0)), needs: "a sampler setting" },
-    Unbuilt { name: "ignore_eos", neutral: |v| null_or(v, |v| v == &Value::Bool(false)), needs: "generation past end-of-generation tokens" },
     Unbuilt {
         name: "post_sampling_probs",
         neutral: |v| null_or(v, |v| v == &Value::Bool(false)),

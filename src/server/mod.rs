@@ -60,6 +60,8 @@ pub struct AppState {
     pub template: Arc<ChatTemplate>,
     /// `GET /slots` answers (`--slots`, the default); 501 with `--no-slots`, as llama-server.
     pub slots_endpoint: bool,
+    /// When the server started, in Unix seconds (llama-server's `Process-Start-Time-Unix`).
+    pub started_unix: u64,
 }
 
 impl AppState {

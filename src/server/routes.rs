@@ -187,8 +187,9 @@ pub async fn slots(State(s): Shared, query: axum::extract::Query<SlotsQuery>) ->
                 next_token: [NextToken {
                     has_next_token: st.processing,
                     has_new_line: st.has_new_line,
-                    n_remain: o.n_predict.saturating_sub(st.n_decoded) as i64,
-                    n_decoded: st.n_decoded,
+                    // an idle slot has no budget left over from its last request (llama-server's)
+                    n_remain: if st.processing { o.n_predict.saturating_sub(st.n_decoded) as i64 } else { -1 },
+                    n_decoded: if st.processing { st.n_decoded } else { 0 },
                 }],
                 params: slot_params(&o),
             }),
@@ -219,7 +220,8 @@ fn slot_params(o: &GenerateOptions) -> SlotParams {
 
 pub async fn metrics(State(s): Shared) -> impl IntoResponse {
     let text = s.metrics.render(s.scheduler.queued(), s.scheduler.slots());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+    let started = s.started_unix.to_string();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4".to_string()), (header::HeaderName::from_static("process-start-time-unix"), started)], text)
 }
 
 pub async fn tokenize(State(s): Shared, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Json<Tokens>, ApiError> {
@@ -447,9 +449,15 @@ pub(super) fn options(
         repeat_penalty: unit("repeat_penalty", f.repeat_penalty, 0.01, 10.0, d.repeat_penalty)?,
         presence_penalty: unit("presence_penalty", f.presence_penalty, -2.0, 2.0, d.presence_penalty)?,
         frequency_penalty: unit("frequency_penalty", f.frequency_penalty, -2.0, 2.0, d.frequency_penalty)?,
-        logit_bias: match &f.logit_bias {
-            None => d.logit_bias.clone(),
-            given => super::fields::logit_bias(given.as_ref(), s.model())?,
+        logit_bias: {
+            let mut bias = match &f.logit_bias {
+                None => d.logit_bias.clone(),
+                given => super::fields::logit_bias(given.as_ref(), s.model())?,
+            };
+            if f.ignore_eos == Some(true) {
+                bias.extend(s.model().eog_tokens().into_iter().map(|t| (t, f32::NEG_INFINITY)));
+            }
+            bias
         },
         repeat_last_n: match f.repeat_last_n {
             None => d.repeat_last_n,
@@ -642,7 +650,7 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::invalid(e.to_string()))
 }
 
-pub(super) fn now() -> u64 {
+pub fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -862,12 +870,15 @@ impl Reply {
         }
     }
 
-    /// How far choice `index`'s prompt is (llama-server's `prompt_progress` chunk).
+    /// How far choice `index`'s prompt is (llama-server's `prompt_progress` chunk), with the
+    /// timings so far when asked for.
     fn progress(&self, index: usize, p: PromptProgress) -> Event {
+        let timings = self.report.timings_per_token.then(|| Timings::of_progress(&p));
+        let prompt_progress = Some(p);
         match &self.shape {
-            Shape::Chat { .. } => event(&ChatCompletion { prompt_progress: Some(p), ..self.envelope("chat.completion.chunk", Vec::new()) }),
-            Shape::Text { .. } => event(&TextCompletion { prompt_progress: Some(p), ..self.envelope("text_completion", Vec::new()) }),
-            Shape::Llama { .. } => event(&LlamaCompletion { prompt_progress: Some(p), ..LlamaCompletion::piece(index) }),
+            Shape::Chat { .. } => event(&ChatCompletion { prompt_progress, timings, ..self.envelope("chat.completion.chunk", Vec::new()) }),
+            Shape::Text { .. } => event(&TextCompletion { prompt_progress, timings, ..self.envelope("text_completion", Vec::new()) }),
+            Shape::Llama { .. } => event(&LlamaCompletion { prompt_progress, timings, ..LlamaCompletion::piece(index) }),
         }
     }
 

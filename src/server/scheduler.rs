@@ -296,6 +296,7 @@ impl Worker {
         };
         match started {
             Ok(Ok(run)) => {
+                self.metrics.decoded(1);
                 let opts = Some(job.req.opts.clone());
                 let n_prompt_tokens = job.req.prompt.len();
                 lock(&self.states)[slot] =
@@ -326,6 +327,7 @@ impl Worker {
             return;
         };
         let mut runs: Vec<&mut Run> = self.slots.iter_mut().flatten().map(|a| &mut a.run).collect();
+        self.metrics.decoded(runs.len());
         let outcome = catch_unwind(AssertUnwindSafe(|| engine.step_all(&mut runs)));
         match outcome {
             Ok(Ok(fresh)) => {

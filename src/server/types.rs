@@ -45,6 +45,8 @@ pub struct SamplingFields {
     /// progress (`prompt_progress`) before the first.
     pub timings_per_token: Option<bool>,
     pub return_progress: Option<bool>,
+    /// Generate past end-of-generation tokens: they are banned (llama-server's `-inf` biases).
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -247,6 +249,28 @@ pub struct Timings {
     pub cycles: usize,
 }
 
+impl Timings {
+    /// The timings while the prompt is decoded (nothing generated yet).
+    pub fn of_progress(p: &PromptProgress) -> Self {
+        let decoded = p.processed - p.cache;
+        Self {
+            cache_n: p.cache,
+            prompt_n: decoded,
+            prompt_ms: p.ms,
+            prompt_per_token_ms: if decoded == 0 { 0.0 } else { p.ms / decoded as f64 },
+            prompt_per_second: if p.ms <= 0.0 { 0.0 } else { decoded as f64 * 1e3 / p.ms },
+            predicted_n: 0,
+            predicted_ms: 0.0,
+            predicted_per_token_ms: 0.0,
+            predicted_per_second: 0.0,
+            draft_n: 0,
+            draft_n_accepted: 0,
+            tau: 0.0,
+            cycles: 0,
+        }
+    }
+}
+
 impl From<&Stats> for Timings {
     fn from(s: &Stats) -> Self {
         let per = |ms: f64, n: usize| if n == 0 { 0.0 } else { ms / n as f64 };
@@ -260,7 +284,8 @@ impl From<&Stats> for Timings {
             prompt_per_second: rate(s.prefill_ms, s.n_prompt_decoded),
             predicted_n: s.n_generated,
             predicted_ms,
-            predicted_per_token_ms: per(predicted_ms, s.n_generated),
+            // the first token came from the prompt's last decode: the steps are one fewer
+            predicted_per_token_ms: per(predicted_ms, s.n_generated.saturating_sub(1)),
             predicted_per_second: s.tokens_per_second(),
             draft_n: s.n_drafted,
             draft_n_accepted: s.n_draft_accepted,
