@@ -72,6 +72,9 @@ pub struct EngineConfig {
     pub cache: CacheTypes,
     /// The target's weight repacking (`crate::target`): probed by default.
     pub repack: Repack,
+    /// The near-tie guard's margin in logits, forced (tests exercise the guard on a machine
+    /// whose batches are bit-exact); by default it comes from the load-time probe.
+    pub near_tie_margin: Option<f32>,
 }
 
 /// Element types of the two models' KV caches.
@@ -105,6 +108,7 @@ impl EngineConfig {
             n_slots: 1,
             cache: CacheTypes::default(),
             repack: Repack::Auto,
+            near_tie_margin: None,
         }
     }
 
@@ -243,6 +247,9 @@ pub struct Stats {
     pub accepted_hist: Vec<usize>,
     /// Accepted tree tokens decoded a second time to keep the cache in position order.
     pub redecoded: usize,
+    /// Verify rows too close to call on a target whose batches are not bit-exact: the cycle
+    /// was cut there and the row's token decided by a single step (the near-tie guard).
+    pub near_ties: usize,
     /// Drafter calls (a drafter decode may serve several slots at once).
     pub n_draft_calls: usize,
     /// Accepted drafts the drafter predicted (sum over verified drafts of the expected
@@ -393,6 +400,8 @@ pub struct Engine {
     batch: Batch,
     slots: Vec<Slot>,
     cost: CostModel,
+    /// See [`EngineConfig::near_tie_margin`].
+    near_tie_margin: Option<f32>,
     /// Scratch: the token history of a verify row (for the repetition penalty).
     history: Vec<Token>,
 }
@@ -469,6 +478,7 @@ impl Engine {
             target: target_ctx,
             slots: (0..n_slots).map(|_| Slot::default()).collect(),
             cost: CostModel::default(),
+            near_tie_margin: cfg.near_tie_margin,
             history: Vec::new(),
         })
     }
@@ -577,6 +587,7 @@ impl Engine {
             speculative,
             t_start,
             t_end: None,
+            single_next: false,
         };
         let (first, first_prob) = self.prefill(slot, prompt, &mut run, progress)?;
         run.next = first;
@@ -653,7 +664,11 @@ impl Engine {
             }
             s.verify_ms += verify_ms;
             s.host_ms += host_ms + ms_since(t) - redecode_ms;
-            run.next = *committed.last().expect("a cycle commits at least one token");
+            // (a cycle whose first row was a near-tie commits nothing: its token is decided
+            // alone next cycle)
+            if let Some(&last) = committed.last() {
+                run.next = last;
+            }
             let before = run.out.tokens.len();
             run.commit(self.target.model(), &committed, &probs);
             out[p.run] = run.out.tokens[before..].to_vec();
@@ -682,7 +697,7 @@ impl Engine {
             let remaining = run.opts.n_predict - run.out.tokens.len();
             let room = n_ctx - pos0 - 1;
             let mut max_draft = run.opts.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(room);
-            if !run.speculative {
+            if !run.speculative || std::mem::take(&mut run.single_next) {
                 max_draft = 0;
             }
             let lookup = if max_draft > 0 && run.opts.lookup { self.look_up(run, max_draft) } else { None };
@@ -883,7 +898,11 @@ impl Engine {
     /// the committed tokens (accepted drafts, then the target's own next token).
     fn accept_and_commit(&mut self, p: &Plan, run: &mut Run) -> Result<(Vec<Token>, Vec<TokenProb>)> {
         let (mut path, mut next) = if run.sampler.is_greedy() {
-            self.accept_greedy(p, run)?
+            let (path, next) = self.accept_greedy(p, run)?;
+            match self.guard_near_ties(p, run, path, next)? {
+                Guarded::Keep(path, next) => (path, next),
+                Guarded::Retry => return self.retry_alone(p, run),
+            }
         } else {
             let temperature = run.sampler.params().temperature;
             let qs: Vec<Vec<(i32, f32)>> = p
@@ -1022,6 +1041,60 @@ impl Engine {
                 lookup[1],
             );
         }
+    }
+
+    /// The near-tie guard, where verify batches are not bit-exact (a GPU backend: the probe
+    /// measured how far a batch row strays from a single step). A token is trusted only from a
+    /// row whose best candidate leads the runner-up by more than twice that (each may stray),
+    /// times [`NEAR_TIE_SAFETY`] (the probe sees a few rows, not every one). At the first row that leads by less, the cycle is cut: the tokens before it stand,
+    /// and the row's input is decoded alone next cycle (as plain decoding decodes it), which
+    /// decides. Accepted side branches of a tree are dropped at their first node (its token,
+    /// chosen on an in-order row, stands): re-decoding them would be another batch.
+    fn guard_near_ties(&mut self, p: &Plan, run: &mut Run, mut path: Vec<usize>, mut next: Token) -> Result<Guarded> {
+        let margin = match self.near_tie_margin {
+            Some(m) => m,
+            None => match self.target.model().verify_tolerance(self.batch.len()) {
+                Some(stray) => NEAR_TIE_SAFETY * 2.0 * stray,
+                None => return Ok(Guarded::Keep(path, next)),
+            },
+        };
+        if p.tree.is_empty() {
+            return Ok(Guarded::Keep(path, next)); // a plain step: what plain decoding does
+        }
+        let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();
+        if in_order < path.len() {
+            next = p.tree.nodes[path[in_order]].token;
+            path.truncate(in_order);
+        }
+        let (history, cached, target) = (&mut self.history, &self.slots[p.slot].cached, &self.target);
+        let law = run.sampler.params();
+        // row j decided path[j] (or `next` after the last node); its input is path[j - 1]
+        for j in 0..=path.len() {
+            let row = if j == 0 { 0 } else { path[j - 1] + 1 };
+            fill_row_history(history, cached, p.last, &p.tree, row, law);
+            let logits = masked(target.logits(p.row0 + row)?, row_grammar(p, run, row)?);
+            if law.greedy_lead(&logits, history) > margin {
+                continue;
+            }
+            run.stats.near_ties += 1;
+            run.single_next = true;
+            if j == 0 {
+                return Ok(Guarded::Retry);
+            }
+            next = p.tree.nodes[path[j - 1]].token;
+            path.truncate(j - 1);
+            break;
+        }
+        Ok(Guarded::Keep(path, next))
+    }
+
+    /// A cycle whose anchor row was a near-tie: nothing is committed, and the anchor leaves the
+    /// caches to be decoded alone next cycle.
+    fn retry_alone(&mut self, p: &Plan, run: &mut Run) -> Result<(Vec<Token>, Vec<TokenProb>)> {
+        self.commit_target(p, &[])?;
+        self.target.seq_rm(p.slot as i32, p.pos0 as i32, -1)?;
+        run.stats.record_cycle(p.tree.len(), 0);
+        Ok((Vec::new(), Vec::new()))
     }
 
     /// Greedy verification: follow the target's argmax down the plan's draft.
@@ -1375,6 +1448,17 @@ fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// How much wider than the probe's worst stray the near-tie guard's margin is.
+const NEAR_TIE_SAFETY: f32 = 2.0;
+
+/// What the near-tie guard leaves of a greedy verification.
+enum Guarded {
+    /// The accepted path and the next token, possibly cut short.
+    Keep(Vec<usize>, Token),
+    /// The anchor's own row was too close to call: decide it alone next cycle.
+    Retry,
+}
+
 /// One generation in progress: its options, sampler, output and statistics.
 pub struct Run {
     slot: usize,
@@ -1393,6 +1477,8 @@ pub struct Run {
     t_start: Instant,
     /// When the generation ended (its timings stop there).
     t_end: Option<Instant>,
+    /// The next cycle decodes `next` alone: a batch row left its choice too close to call.
+    single_next: bool,
 }
 
 impl Run {

@@ -99,6 +99,18 @@ impl SamplingParams {
         let tail = history.len().saturating_sub(self.repeat_last_n.max(0) as usize);
         target_distribution(logits, &history[tail..], self)
     }
+
+    /// How far the greedy choice leads: its (penalised, biased) logit minus the runner-up's;
+    /// infinite when nothing else is possible. A row whose logits may stray by more than half
+    /// of this could choose differently.
+    pub fn greedy_lead(&self, logits: &[f32], history: &[i32]) -> f32 {
+        let tail = history.len().saturating_sub(self.repeat_last_n.max(0) as usize);
+        let best = top_candidates(&PenalisedLogits::new(logits, &history[tail..], self), 2, f32::NEG_INFINITY);
+        match best.as_slice() {
+            [first, second, ..] => first.logit - second.logit,
+            _ => f32::INFINITY,
+        }
+    }
 }
 
 /// A sparse distribution over token ids: only tokens with positive probability, most likely first

@@ -242,6 +242,34 @@ fn smollm2_lazy_grammar_holds_from_its_trigger_and_is_lossless() {
     }
 }
 
+/// The near-tie guard (what keeps a GPU target's output its own where batches round
+/// differently): a row whose two best candidates are closer than the margin is not trusted, the
+/// cycle is cut there and the token decided by a single step. Forced here with a wide margin
+/// on a bit-exact CPU, so that it cuts often: every mode still gives plain decoding's tokens,
+/// through cut chains, dropped tree branches and cycles that commit nothing.
+#[test]
+fn smollm2_near_tie_guard_cuts_cycles_and_stays_lossless() {
+    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let mut cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter));
+    let (target, drafter) = Engine::load_models(&cfg).unwrap();
+    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
+    cfg.near_tie_margin = Some(1.0);
+    let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
+    let mut cuts = 0;
+    for text in ["Tell me about the sea.", "Write a haiku about autumn.", "def fibonacci(n):"] {
+        let prompt = chat_prompt(&target, text);
+        let opts = GenerateOptions { n_predict: 48, select: SelectMode::None, ..Default::default() };
+        let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
+        for (select, lookup) in [(SelectMode::Greedy, false), (SelectMode::BestPath, true), (SelectMode::Tree, true)] {
+            let g = spec.generate(&prompt, &GenerateOptions { select, block: 8, lookup, ..opts.clone() }, |_| true).unwrap();
+            assert_eq!(g.tokens, baseline.tokens, "{select:?} on {text:?}: {:?} vs {:?}", g.text, baseline.text);
+            assert!(g.stats.n_draft_accepted > 0, "{select:?}: nothing accepted");
+            cuts += g.stats.near_ties;
+        }
+    }
+    assert!(cuts > 10, "the guard cut only {cuts} cycles: the test no longer exercises it");
+}
+
 /// A quantized target K cache (`-ctk q8_0`, llama.cpp's memory saver) and f16 drafter
 /// caches: speculative output still equals plain decoding with the same target cache.
 #[test]

@@ -49,6 +49,9 @@ pub struct Model {
     owned: bool,
     /// Its numbers depend on the thread count on this machine: contexts keep theirs.
     fixed_threads: std::sync::atomic::AtomicBool,
+    /// Where verify batches are not bit-exact: per batch size probed, the largest logit
+    /// difference from single steps (unset where they are bit-exact).
+    verify_tolerance: std::sync::OnceLock<Vec<(usize, f32)>>,
 }
 
 // llama.cpp models are immutable after loading and safe to share between threads.
@@ -77,7 +80,7 @@ impl Model {
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
-        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default() })
+        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default(), verify_tolerance: Default::default() })
     }
 
     /// A model a frontend loaded and keeps: used, never freed, here.
@@ -92,7 +95,7 @@ impl Model {
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::Invalid(format!("{name} has no vocabulary")))?;
         // Offload is the frontend's; only the drafter's own context reads this (0 = CPU).
-        Ok(Self { ptr, vocab, path: name.to_string(), repacked: false, n_gpu_layers: -1, owned: false, fixed_threads: Default::default() })
+        Ok(Self { ptr, vocab, path: name.to_string(), repacked: false, n_gpu_layers: -1, owned: false, fixed_threads: Default::default(), verify_tolerance: Default::default() })
     }
 
     /// Contexts of this model keep their thread count (the probe found that it changes the
@@ -103,6 +106,24 @@ impl Model {
 
     pub fn keeps_thread_count(&self) -> bool {
         self.fixed_threads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Record that verify batches of this model stray from single steps, by up to `diffs[i].1`
+    /// in a batch of `diffs[i].0` rows (measured by the invariance probe); set once.
+    pub fn set_verify_tolerance(&self, mut diffs: Vec<(usize, f32)>) {
+        diffs.sort_by_key(|d| d.0);
+        let _ = self.verify_tolerance.set(diffs);
+    }
+
+    /// How far a row of a verify batch of `rows` rows may stray from a single step (the
+    /// probe's figure for the smallest probed size at least that large, else the largest);
+    /// None where batches are bit-exact.
+    pub fn verify_tolerance(&self, rows: usize) -> Option<f32> {
+        let diffs = self.verify_tolerance.get()?;
+        let larger = diffs.iter().find(|d| d.0 >= rows).or(diffs.last());
+        // a smaller batch's figure is a floor for a larger one
+        let floor = diffs.iter().filter(|d| d.0 <= rows).map(|d| d.1).fold(0.0, f32::max);
+        larger.map(|d| d.1.max(floor))
     }
 
     /// Whether this is the llama.cpp model behind `ptr`.
