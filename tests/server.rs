@@ -759,6 +759,25 @@ fn chat_templates_render_as_jinja_and_refusals_name_the_messages() {
     let (code, v) = server.post("/v1/chat/completions", &json!({ "messages": two }).to_string());
     assert_eq!((code, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
     server.assert_healthy("after refused templates");
+    drop(server);
+
+    // An earlier answer's reasoning reaches a template that writes it (Qwen3's way): as chat's
+    // `reasoning_content`, and from the Messages API's `thinking` blocks, as llama-server passes them.
+    let template = "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}";
+    let file = common::scratch_dir("server-template").join("reasoning.jinja");
+    std::fs::write(&file, template).unwrap();
+    let server = Server::start("template-reasoning", &["--chat-template-file", file.to_str().unwrap()]);
+    let chat = json!([{ "role": "user", "content": "hi" }, { "role": "assistant", "content": "Hello.", "reasoning_content": "Greet back." }, { "role": "user", "content": "bye" }]);
+    let v = server.post_ok("/apply-template", json!({ "messages": chat }));
+    assert!(v["prompt"].as_str().unwrap().contains("<|im_start|>assistant\n<think>Greet back.</think>Hello.<|im_end|>"), "{v}");
+    let thinking = json!([{ "role": "user", "content": "hi" },
+        { "role": "assistant", "content": [{ "type": "thinking", "thinking": "Greet back." }, { "type": "text", "text": "Hello." }] },
+        { "role": "user", "content": "bye" }]);
+    let without = json!([{ "role": "user", "content": "hi" }, { "role": "assistant", "content": "Hello." }, { "role": "user", "content": "bye" }]);
+    let count = |m: &Value| server.post_ok("/v1/messages/count_tokens", json!({ "model": "m", "messages": m }))["input_tokens"].as_u64().unwrap();
+    let chat_count = server.post_ok("/v1/chat/completions/input_tokens", json!({ "messages": chat }))["input_tokens"].as_u64().unwrap();
+    assert_eq!(count(&thinking), chat_count, "thinking blocks and reasoning_content render alike");
+    assert!(count(&thinking) > count(&without));
 }
 
 /// llama-server's flags mean what they mean there: `-c` is the context of all slots together,

@@ -136,7 +136,7 @@ fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMess
             Value::Array(blocks) => blocks,
             _ => return Err(ApiError::invalid_param(&path, format!("`{path}` must be a text or a list of content blocks"))),
         };
-        let (mut text, mut calls) = (None::<String>, Vec::new());
+        let (mut text, mut calls, mut reasoning) = (None::<String>, Vec::new(), None::<String>);
         for (j, b) in blocks.iter().enumerate() {
             let path = format!("{path}[{j}]");
             let field = |name: &str| {
@@ -155,8 +155,10 @@ fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMess
                     };
                     out.push(ChatMessageIn { tool_call_id: Some(field("tool_use_id")?), ..ChatMessageIn::text("tool", Some(result)) });
                 }
-                // A former answer's reasoning: templates without reasoning leave it out as well.
-                Some("thinking" | "redacted_thinking") if role == "assistant" => {}
+                // A former answer's reasoning, as llama-server passes it: the template writes it
+                // where its model expects it, or leaves it out.
+                Some("thinking") if role == "assistant" => reasoning.get_or_insert_with(String::new).push_str(&field("thinking")?),
+                Some("redacted_thinking") if role == "assistant" => {}
                 kind => {
                     return Err(ApiError::invalid_param(
                         &path,
@@ -165,8 +167,12 @@ fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMess
                 }
             }
         }
-        if text.is_some() || !calls.is_empty() {
-            out.push(ChatMessageIn { tool_calls: (!calls.is_empty()).then_some(calls), ..ChatMessageIn::text(role, text) });
+        if text.is_some() || !calls.is_empty() || reasoning.is_some() {
+            out.push(ChatMessageIn {
+                tool_calls: (!calls.is_empty()).then_some(calls),
+                reasoning_content: reasoning,
+                ..ChatMessageIn::text(role, text)
+            });
         }
     }
     Ok(out)
@@ -365,6 +371,7 @@ mod tests {
         assert_eq!(roles, ["system", "user", "assistant", "tool", "user"]);
         assert!(matches!(&m[0].content, Some(MessageContent::Text(t)) if t == "Be brief."));
         assert!(matches!(&m[2].content, Some(MessageContent::Text(t)) if t == "Checking."));
+        assert_eq!(m[2].reasoning_content.as_deref(), Some("..."), "thinking is passed on as the reasoning");
         let calls = m[2].tool_calls.as_ref().unwrap();
         assert_eq!((calls[0].id.as_deref(), calls[0].function.name.as_str(), &calls[0].function.arguments), (Some("t1"), "get_weather", &json!({ "city": "Paris" })));
         assert_eq!(m[3].tool_call_id.as_deref(), Some("t1"));

@@ -383,6 +383,9 @@ pub fn conversation(messages: Vec<super::types::ChatMessageIn>, native: bool) ->
             })
             .collect();
         let mut message = json!({ "role": m.role, "content": content });
+        if let Some(reasoning) = m.reasoning_content {
+            message["reasoning_content"] = reasoning.into();
+        }
         match (native, m.role.as_str()) {
             (true, _) => {
                 if !calls.is_empty() {

@@ -106,13 +106,23 @@ pub struct ChatMessageIn {
     /// The call a `tool` message answers, and the tool's name.
     pub tool_call_id: Option<String>,
     pub name: Option<String>,
+    /// An earlier answer's reasoning (llama-server's field): given to the template, which
+    /// writes it where the model expects it (Qwen3's `<think>`) or leaves it out.
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessageIn {
     /// A turn of `role` with text content (or none): what the Responses and Messages APIs'
     /// items become on the chat path.
     pub fn text(role: &str, content: Option<String>) -> Self {
-        Self { role: role.to_string(), content: content.map(MessageContent::Text), tool_calls: None, tool_call_id: None, name: None }
+        Self {
+            role: role.to_string(),
+            content: content.map(MessageContent::Text),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+            reasoning_content: None,
+        }
     }
 }
 
