@@ -469,7 +469,7 @@ fn llama_server_endpoints_answer_in_its_shapes() {
     assert!(value("n_decode_total") >= server.metric("cycles_total") && value("requests_processing") == 0.0);
     let (code, head) = curl(&["-D", "-", "-o", "/dev/null", &format!("{}/metrics", server.base)]);
     assert_eq!(code, 200);
-    let started: u64 = head.lines().find_map(|l| l.strip_prefix("process-start-time-unix: ")).unwrap().trim().parse().unwrap();
+    let started: u64 = head.lines().find_map(|l| l.strip_prefix("Process-Start-Time-Unix: ")).unwrap().trim().parse().unwrap();
     assert!(started > 1_700_000_000, "{head}");
     assert_eq!(server.metric("requests_finished_total"), 14.0);
     let n_stopped = stopped["tokens_predicted"].as_f64().unwrap();
@@ -1370,6 +1370,14 @@ fn several_prompts_progress_and_timings_come_in_llama_servers_shapes() {
     quiet["return_progress"] = json!(false);
     assert!(progress(&spec.post_sse("/v1/chat/completions", quiet)).is_empty());
 
+    // `"verbose": true` (llama-server's debugging aid): the prompt as decoded
+    let hi = json!([{ "role": "user", "content": "hi" }]);
+    let rendered = spec.post_ok("/apply-template", json!({ "messages": hi }))["prompt"].as_str().unwrap().to_string();
+    let v = spec.post_ok("/v1/chat/completions", json!({ "messages": hi, "max_tokens": 2, "verbose": true }));
+    assert!(v["__verbose"]["prompt"].as_str().unwrap().ends_with(&rendered), "{v}");
+    assert_eq!(v["__verbose"]["tokens_evaluated"], v["usage"]["prompt_tokens"]);
+    assert!(spec.post_ok("/v1/chat/completions", json!({ "messages": hi, "max_tokens": 2 })).get("__verbose").is_none());
+
     // timings_per_token: every streamed piece carries the timings so far
     for (path, body) in [
         ("/completion", json!({ "prompt": "Once upon a time", "n_predict": 12, "stream": true, "timings_per_token": true })),
@@ -1381,6 +1389,11 @@ fn several_prompts_progress_and_timings_come_in_llama_servers_shapes() {
         assert!(counts.len() >= 3 && counts.windows(2).all(|w| w[0] <= w[1]), "{path}: {counts:?}");
         assert!(parsed.iter().filter_map(|v| v["timings"]["draft_n"].as_u64()).any(|n| n > 0), "{path}");
     }
+    // the usage chunk carries the timings too (llama-server's)
+    let body = json!({ "messages": hi, "max_tokens": 4, "stream": true, "stream_options": { "include_usage": true } });
+    let events = spec.post_sse("/v1/chat/completions", body);
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(usage["choices"] == json!([]) && usage["timings"]["predicted_n"] == usage["usage"]["completion_tokens"], "{usage}");
     spec.wait_idle();
 }
 

@@ -46,6 +46,11 @@ pub struct ServeArgs {
     pub slots: bool,
     #[arg(long = "no-slots", overrides_with = "slots")]
     pub no_slots: bool,
+    /// Add `__verbose` (the prompt as decoded, special tokens written out) to every whole
+    /// OpenAI answer, as llama-server's `--verbose` does; a request's `"verbose": true` asks
+    /// for it alone.
+    #[arg(long)]
+    pub verbose: bool,
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long = "max-body", default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -110,6 +115,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         },
         template,
         slots_endpoint: !args.no_slots,
+        verbose: args.verbose,
     });
     anyhow::ensure!(
         args.read_timeout.is_finite() && args.read_timeout > 0.0,

@@ -62,6 +62,8 @@ pub struct AppState {
     pub slots_endpoint: bool,
     /// When the server started, in Unix seconds (llama-server's `Process-Start-Time-Unix`).
     pub started_unix: u64,
+    /// `--verbose`: every whole OpenAI answer carries `__verbose`.
+    pub verbose: bool,
 }
 
 impl AppState {
@@ -191,6 +193,9 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Router, limits: Li
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.read_timeout)
+                // `Content-Type`, `Process-Start-Time-Unix`: header names as llama-server
+                // writes them (HTTP says case does not matter; some clients compare it)
+                .title_case_headers(true)
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
             let mut conn = std::pin::pin!(conn);

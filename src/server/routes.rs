@@ -252,7 +252,7 @@ pub async fn detokenize(State(s): Shared, ApiJson(req): ApiJson<DetokenizeReques
 pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>) -> Result<Response, ApiError> {
     let n = choices(req.n)?;
     let slot = preferred_slot(&s, sampling.id_slot)?;
-    let report = Report::of(&sampling);
+    let report = Report::of(&s, &sampling);
     let mut opts = options(&s, sampling, req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
     opts.n_probs = match (req.logprobs, req.top_logprobs) {
         (Some(true), n) => Some(count("top_logprobs", n.unwrap_or(0), 20)?),
@@ -279,7 +279,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let n = choices(req.n)?;
     let slot = preferred_slot(&s, sampling.id_slot)?;
-    let report = Report::of(&sampling);
+    let report = Report::of(&s, &sampling);
     let mut opts = options(&s, sampling, req.max_tokens, "max_tokens")?;
     opts.n_probs = req.logprobs.map(|n| count("logprobs", n, 5)).transpose()?;
     let prompts = prompt_tokens(&s, req.prompt).await?;
@@ -294,7 +294,7 @@ pub async fn llama_completion(
 ) -> Result<Response, ApiError> {
     // -1 is llama-server's "no limit": up to the end of the context.
     let slot = preferred_slot(&s, sampling.id_slot)?;
-    let report = Report::of(&sampling);
+    let report = Report::of(&s, &sampling);
     let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     opts.n_probs = n_probs(req.n_probs)?;
     let prompts = prompt_tokens(&s, req.prompt).await?;
@@ -307,7 +307,7 @@ pub async fn llama_completion(
 /// `POST /infill`: code completion between a prefix and a suffix, in `/completion`'s shapes.
 pub async fn infill(State(s): Shared, Sampled(req, sampling): Sampled<InfillRequest>) -> Result<Response, ApiError> {
     let slot = preferred_slot(&s, sampling.id_slot)?;
-    let report = Report::of(&sampling);
+    let report = Report::of(&s, &sampling);
     let mut opts = options(&s, sampling, req.n_predict.filter(|&n| n != -1), "n_predict")?;
     opts.n_probs = n_probs(req.n_probs)?;
     let (model, n_ctx, limit) = (s.model().clone(), s.n_ctx(), req.n_predict.filter(|&n| n != -1).map(|_| opts.n_predict));
@@ -345,8 +345,9 @@ async fn generate(
     mut reply: Reply,
     stream: bool,
 ) -> Result<Response, ApiError> {
-    if matches!(reply.shape, Shape::Llama { .. }) {
+    if matches!(reply.shape, Shape::Llama { .. }) || reply.report.verbose {
         reply.prompt_texts = prompts.iter().map(|p| s.model().detokenize(p, true)).collect();
+        reply.prompt_lens = prompts.iter().map(Vec::len).collect();
     }
     let events = submit(s, &prompts, opts, n, slot, stream && reply.report.progress)?;
     if stream {
@@ -671,11 +672,17 @@ struct Report {
     timings_per_token: bool,
     /// `return_progress`: a streamed answer first tells how far its prompt is.
     progress: bool,
+    /// `__verbose` in a whole OpenAI answer (`--verbose`, or the request's `verbose`).
+    verbose: bool,
 }
 
 impl Report {
-    fn of(f: &SamplingFields) -> Self {
-        Self { timings_per_token: f.timings_per_token == Some(true), progress: f.return_progress == Some(true) }
+    fn of(s: &AppState, f: &SamplingFields) -> Self {
+        Self {
+            timings_per_token: f.timings_per_token == Some(true),
+            progress: f.return_progress == Some(true),
+            verbose: f.verbose.unwrap_or(s.verbose),
+        }
     }
 }
 
@@ -691,8 +698,9 @@ struct Reply {
     report: Report,
     /// The request's settings (llama-server's `generation_settings`).
     settings: SlotParams,
-    /// Each prompt as text (llama-server's ends show it).
+    /// Each prompt as text (llama-server's ends show it), and its length in tokens.
     prompt_texts: Vec<String>,
+    prompt_lens: Vec<usize>,
     /// Characters of text streamed so far (OpenAI's legacy `text_offset`).
     streamed_chars: std::sync::Mutex<Vec<usize>>,
     /// Per choice of a streamed chat with tools: its content so far.
@@ -711,6 +719,7 @@ impl Reply {
             report,
             settings: slot_params(opts),
             prompt_texts: Vec::new(),
+            prompt_lens: Vec::new(),
             streamed_chars: Default::default(),
             tool_text: Default::default(),
         }
@@ -750,7 +759,8 @@ impl Reply {
                         }
                     })
                     .collect();
-                Json(Completion { usage, timings, ..self.envelope("chat.completion", choices) }).into_response()
+                let verbose = self.verbose();
+                Json(Completion { usage, timings, verbose, ..self.envelope("chat.completion", choices) }).into_response()
             }
             Shape::Text { .. } => {
                 let choices = gens
@@ -763,7 +773,8 @@ impl Reply {
                         finish_reason: Some(finish_reason(g.finish)),
                     })
                     .collect();
-                Json(Completion { usage, timings, ..self.envelope("text_completion", choices) }).into_response()
+                let verbose = self.verbose();
+                Json(Completion { usage, timings, verbose, ..self.envelope("text_completion", choices) }).into_response()
             }
             Shape::Llama { several: false, .. } => Json(self.llama_end(0, gens[0].text.clone(), &gens[0])).into_response(),
             Shape::Llama { several: true, .. } => {
@@ -870,6 +881,12 @@ impl Reply {
         }
     }
 
+    /// `__verbose` of a whole answer, when asked for: its (first) prompt as decoded.
+    fn verbose(&self) -> Option<Verbose> {
+        let prompt = self.prompt_texts.first().filter(|_| self.report.verbose)?;
+        Some(Verbose { prompt: prompt.clone(), tokens_evaluated: self.prompt_lens[0] })
+    }
+
     /// How far choice `index`'s prompt is (llama-server's `prompt_progress` chunk), with the
     /// timings so far when asked for.
     fn progress(&self, index: usize, p: PromptProgress) -> Event {
@@ -915,13 +932,15 @@ impl Reply {
     /// After every choice ended: the usage (when asked for) and `[DONE]` (OpenAI's shapes).
     fn end(&self, gens: &[Generation]) -> Vec<Event> {
         let usage = Some(Usage::of(gens));
+        let timings = Some(Timings::from(&gens[0].stats));
         let mut out = Vec::new();
         match &self.shape {
+            // (with the timings, as llama-server's usage chunk)
             Shape::Chat { include_usage: true, .. } => {
-                out.push(event(&ChatCompletion { usage, ..self.envelope("chat.completion.chunk", Vec::new()) }))
+                out.push(event(&ChatCompletion { usage, timings, ..self.envelope("chat.completion.chunk", Vec::new()) }))
             }
             Shape::Text { include_usage: true } => {
-                out.push(event(&TextCompletion { usage, ..self.envelope("text_completion", Vec::new()) }))
+                out.push(event(&TextCompletion { usage, timings, ..self.envelope("text_completion", Vec::new()) }))
             }
             Shape::Llama { .. } => return out,
             _ => {}
@@ -949,6 +968,7 @@ impl Reply {
             usage: None,
             timings: None,
             prompt_progress: None,
+            verbose: None,
         }
     }
 

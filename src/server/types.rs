@@ -45,6 +45,8 @@ pub struct SamplingFields {
     /// progress (`prompt_progress`) before the first.
     pub timings_per_token: Option<bool>,
     pub return_progress: Option<bool>,
+    /// llama-server's debugging aid: `__verbose` in the answer.
+    pub verbose: Option<bool>,
     /// Generate past end-of-generation tokens: they are banned (llama-server's `-inf` biases).
     pub ignore_eos: Option<bool>,
 }
@@ -355,6 +357,16 @@ pub struct Completion<C> {
     pub timings: Option<Timings>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_progress: Option<PromptProgress>,
+    /// llama-server's debugging aid (`--verbose`, or `"verbose": true`): the prompt as decoded.
+    #[serde(rename = "__verbose", skip_serializing_if = "Option::is_none")]
+    pub verbose: Option<Verbose>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Verbose {
+    /// The prompt's tokens as text, special tokens written out.
+    pub prompt: String,
+    pub tokens_evaluated: usize,
 }
 
 pub type ChatCompletion = Completion<ChatChoice>;

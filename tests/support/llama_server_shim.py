@@ -44,7 +44,7 @@ RENAMED = {
     "-ctv": "--cache-type-v", "--cache-type-v": "--cache-type-v",
     "--batch-size": "--batch-size", "-b": "--batch-size",
 }
-SWITCHES = {"--slots": "--slots", "--no-slots": "--no-slots"}
+SWITCHES = {"--slots": "--slots", "--no-slots": "--no-slots", "--verbose": "--verbose"}
 
 # Dropped with their value: the micro-batch, offload and attention kernels do not change answers
 # here; CORS mirrors every origin (README).
@@ -54,7 +54,7 @@ DROPPED_VALUE = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-fa",
 # Dropped switches: continuous batching, the chat template's Jinja rendering and /metrics are
 # always on; the rest concern llama-server's web UI, downloads or its unified KV cache.
 DROPPED_SWITCH = {"--offline", "--cont-batching", "--metrics", "--kv-unified", "--swa-full",
-                  "--no-ui", "--jinja", "--no-jinja", "--verbose", "--no-cache-idle-slots",
+                  "--no-ui", "--jinja", "--no-jinja", "--no-cache-idle-slots",
                   "--no-mmproj", "--embedding", "--embeddings", "--reranking", "--rerank"}
 
 # Features not built: the launcher refuses them, naming why.
