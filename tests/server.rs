@@ -812,6 +812,35 @@ fn llama_server_flags_mean_what_they_mean_there() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("128 tokens per slot"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // `--host a,b`: every address serves, each named on its own line
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash2"))
+        .args(["serve", "-m", &model("target.gguf"), "--host", "127.0.0.1,127.0.0.2", "--port", "0", "-t", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let addrs: Vec<String> = (0..2)
+        .map(|_| {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            line.trim().strip_prefix("dflash2 listening on ").unwrap_or_else(|| panic!("{line:?}")).to_string()
+        })
+        .collect();
+    assert!(addrs[0].starts_with("http://127.0.0.1:") && addrs[1].starts_with("http://127.0.0.2:"), "{addrs:?}");
+    for addr in &addrs {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while curl(&[&format!("{addr}/health")]).0 != 200 {
+            assert!(Instant::now() < deadline, "{addr} never answered");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (code, _) = curl(&["-X", "POST", "-d", r#"{"prompt": "hi", "n_predict": 2}"#, &format!("{addr}/completion")]);
+        assert_eq!(code, 200, "{addr}");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Penalties and logit biases arrive (they change the answer) and stay lossless with a drafter;

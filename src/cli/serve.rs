@@ -14,9 +14,9 @@ pub struct ServeArgs {
     /// llama-server's `-c`: each slot gets --ctx-size / --parallel).
     #[command(flatten)]
     pub models: super::ModelArgs,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
+    /// Addresses to listen on, comma-separated (`127.0.0.1,::1`), each on `--port`.
+    #[arg(long, default_value = "127.0.0.1", value_delimiter = ',')]
+    pub host: Vec<String>,
     /// Port to listen on (0: any free port; the chosen address is printed).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
@@ -131,11 +131,20 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
-        // One line on stdout, so that scripts (and the tests) learn a port chosen with --port 0.
-        println!("dflash2 listening on http://{}", listener.local_addr()?);
+        let (mut listeners, mut lines) = (Vec::with_capacity(args.host.len()), String::new());
+        for host in &args.host {
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let listener = tokio::net::TcpListener::bind((host, args.port))
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on {host} port {}: {e}", args.port))?;
+            lines += &format!("dflash2 listening on http://{}\n", listener.local_addr()?);
+            listeners.push(listener);
+        }
+        // A line per address on stdout, in one write, so that scripts (and the tests) learn a
+        // port chosen with --port 0.
+        print!("{lines}");
         std::io::stdout().flush()?;
-        server::serve(listener, router, limits).await?;
+        server::serve(listeners, router, limits).await?;
         anyhow::Ok(())
     })
 }

@@ -152,11 +152,12 @@ fn cors() -> tower_http::cors::CorsLayer {
         .allow_headers(AllowHeaders::mirror_request())
 }
 
-/// Serve HTTP/1.1 until Ctrl-C or SIGTERM; requests in progress are answered first. At most
+/// Serve HTTP/1.1 on every listener until Ctrl-C or SIGTERM; requests in progress are answered first. At most
 /// `limits.max_connections` connections are served at once (the rest wait in the listen
 /// backlog), and a client gets `limits.read_timeout` to send each request's headers (an idle
 /// keep-alive connection is closed after as long).
-pub async fn serve(listener: tokio::net::TcpListener, router: Router, limits: Limits) -> std::io::Result<()> {
+pub async fn serve(listeners: Vec<tokio::net::TcpListener>, router: Router, limits: Limits) -> std::io::Result<()> {
+    use futures_util::StreamExt;
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
     use tower::ServiceExt;
@@ -164,15 +165,25 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Router, limits: Li
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let (closing, _) = tokio::sync::watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown_signal());
+    // every address's connections, as they come
+    let accepts = listeners.into_iter().map(|l| {
+        futures_util::stream::unfold(l, |l| async move {
+            let accepted = l.accept().await;
+            Some((accepted, l))
+        })
+        .boxed()
+    });
+    let mut incoming = futures_util::stream::select_all(accepts);
     loop {
         let permit = tokio::select! {
             p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
             _ = &mut shutdown => break,
         };
         let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
+            accepted = incoming.next() => match accepted {
+                Some(Ok((stream, _))) => stream,
+                None => break, // no address to listen on
+                Some(Err(e)) => {
                     // out of file descriptors and the like: wait, do not spin
                     tracing::warn!("accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(100)).await;
