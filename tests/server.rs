@@ -1348,6 +1348,8 @@ fn several_prompts_progress_and_timings_come_in_llama_servers_shapes() {
     let legacy = spec.post_ok("/v1/completions", json!({ "prompt": ["The quick brown fox", "The sea"], "n": 2, "max_tokens": 8, "temperature": 0 }));
     let texts: Vec<Value> = legacy["choices"].as_array().unwrap().iter().map(|c| c["text"].clone()).collect();
     assert_eq!(texts, [fox.clone(), fox.clone(), sea.clone(), sea.clone()], "{legacy}");
+    let n_prompts = |p: &str| spec.post_ok("/tokenize", json!({ "content": p, "add_special": true }))["tokens"].as_array().unwrap().len();
+    assert_eq!(legacy["usage"]["prompt_tokens"].as_u64(), Some((n_prompts("The quick brown fox") + n_prompts("The sea")) as u64), "{legacy}");
     // streamed: every piece names its prompt
     let events = spec.post_sse("/completion", json!({ "prompt": ["The quick brown fox", "The sea"], "n_predict": 8, "stream": true }));
     let mut streamed = [String::new(), String::new()];

@@ -63,13 +63,6 @@ fn one(v: &Value) -> Result<Vec<Part>, String> {
     }
 }
 
-impl Prompts {
-    /// A single text prompt (the other routes' shape).
-    pub fn text(s: impl Into<String>) -> Self {
-        Self(vec![vec![Part::Text(s.into())]])
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -345,6 +345,7 @@ async fn generate(
     mut reply: Reply,
     stream: bool,
 ) -> Result<Response, ApiError> {
+    reply.per_prompt = n;
     if matches!(reply.shape, Shape::Llama { .. }) || reply.report.verbose {
         reply.prompt_texts = prompts.iter().map(|p| s.model().detokenize(p, true)).collect();
         reply.prompt_lens = prompts.iter().map(Vec::len).collect();
@@ -698,6 +699,8 @@ struct Reply {
     report: Report,
     /// The request's settings (llama-server's `generation_settings`).
     settings: SlotParams,
+    /// Choices per prompt (`n`).
+    per_prompt: usize,
     /// Each prompt as text (llama-server's ends show it), and its length in tokens.
     prompt_texts: Vec<String>,
     prompt_lens: Vec<usize>,
@@ -718,6 +721,7 @@ impl Reply {
             logprobs: opts.n_probs.is_some(),
             report,
             settings: slot_params(opts),
+            per_prompt: 1,
             prompt_texts: Vec::new(),
             prompt_lens: Vec::new(),
             streamed_chars: Default::default(),
@@ -735,7 +739,7 @@ impl Reply {
 
     /// The whole answer: one choice per generation (`n`), in order.
     fn whole(&self, gens: &[Generation]) -> Response {
-        let usage = Some(Usage::of(gens));
+        let usage = Some(Usage::of(gens, self.per_prompt));
         let timings = Some(Timings::from(&gens[0].stats));
         match &self.shape {
             Shape::Chat { tools, .. } => {
@@ -931,7 +935,7 @@ impl Reply {
 
     /// After every choice ended: the usage (when asked for) and `[DONE]` (OpenAI's shapes).
     fn end(&self, gens: &[Generation]) -> Vec<Event> {
-        let usage = Some(Usage::of(gens));
+        let usage = Some(Usage::of(gens, self.per_prompt));
         let timings = Some(Timings::from(&gens[0].stats));
         let mut out = Vec::new();
         match &self.shape {

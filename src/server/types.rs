@@ -315,9 +315,9 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// One prompt and the completions of every choice.
-    pub fn of(gens: &[Generation]) -> Self {
-        let p = gens.first().map_or(0, |g| g.stats.n_prompt);
+    /// The prompts (each answered by `per_prompt` choices in a row) and every completion.
+    pub fn of(gens: &[Generation], per_prompt: usize) -> Self {
+        let p = gens.iter().step_by(per_prompt.max(1)).map(|g| g.stats.n_prompt).sum::<usize>();
         let c = gens.iter().map(|g| g.tokens.len()).sum::<usize>();
         Self { prompt_tokens: p, completion_tokens: c, total_tokens: p + c }
     }
