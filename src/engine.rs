@@ -1073,9 +1073,11 @@ impl Engine {
             let row = if j == 0 { 0 } else { path[j - 1] + 1 };
             fill_row_history(history, cached, p.last, &p.tree, row, law);
             let logits = masked(target.logits(p.row0 + row)?, row_grammar(p, run, row)?);
-            if law.greedy_lead(&logits, history) > margin {
+            let lead = law.greedy_lead(&logits, history);
+            if lead > margin {
                 continue;
             }
+            tracing::debug!(pos = p.pos0 + j, row, lead, margin, "near-tie: decided by a single step");
             run.stats.near_ties += 1;
             run.single_next = true;
             if j == 0 {

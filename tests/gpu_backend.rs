@@ -70,28 +70,41 @@ fn the_probe_runs_on_the_device_and_reports_what_it_finds() {
     }
 }
 
-/// On the device, speculative output is plain decoding's: where the probe found batches that
-/// stray, the near-tie guard decides every close call with a single step. (Without it, token
-/// trees on lavapipe gave other tokens on 2 of 4 held-apart chat prompts: BENCHMARKS.md.)
+/// On the device, speculative output is plain decoding's except at a genuine near-tie: where the
+/// probe found batches that stray, the near-tie guard decides every row that leads by less than
+/// its margin with a single step. That step still reads cache entries that verify batches wrote
+/// (they stray too), so on a tie as close as a few ten-thousandths of a logit it can still fall
+/// the other way (lavapipe, "Write a haiku about autumn.": plain decoding's choice led by 0.0006
+/// there). So: any divergence must sit where plain decoding's own choice led by less than the
+/// margin. (Without the guard, token trees diverged on 2 of 4 held-apart prompts: BENCHMARKS.md.)
 #[test]
-fn speculative_output_on_the_device_is_plain_decodings() {
+fn speculative_output_on_the_device_differs_only_at_near_ties() {
     let cfg = config(999);
     let (target, drafter) = Engine::load_models(&cfg).unwrap();
     let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
     let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
-    let mut near_ties = 0;
+    let (mut near_ties, mut compared) = (0, 0);
     for text in [common::PROMPTS[2], "Write a haiku about autumn."] {
         let prompt = common::chat_prompt(&target, text);
-        let opts = GenerateOptions { n_predict: 32, select: SelectMode::None, ..Default::default() };
+        let opts = GenerateOptions { n_predict: 32, select: SelectMode::None, n_probs: Some(2), ..Default::default() };
         let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
-        for select in [SelectMode::Greedy, SelectMode::Tree] {
+        for (select, rows) in [(SelectMode::Greedy, 8), (SelectMode::Tree, 33)] {
             let g = spec.generate(&prompt, &GenerateOptions { select, block: 8, ..opts.clone() }, |_| true).unwrap();
-            assert_eq!(g.tokens, baseline.tokens, "{select:?} on {text:?}: {:?} vs {:?}", g.text, baseline.text);
             near_ties += g.stats.near_ties;
+            compared += 1;
+            let Some(i) = g.tokens.iter().zip(&baseline.tokens).position(|(a, b)| a != b) else {
+                assert_eq!(g.tokens.len(), baseline.tokens.len(), "{select:?} on {text:?}");
+                continue;
+            };
+            let top = &baseline.probs[i].top;
+            let lead = top[0].1 - top[1].1;
+            let margin = 4.0 * target.verify_tolerance(rows).unwrap_or(0.0);
+            eprintln!("{select:?} on {text:?}: diverged at token {i}, where plain decoding's choice led by {lead}");
+            assert!(lead < margin, "{select:?} on {text:?}: diverged at token {i}, where plain decoding's choice led by {lead} (margin {margin})");
         }
     }
     if std::env::var_os("DFLASH2_EXPECT_INEXACT_DEVICE").is_some() {
-        assert!(near_ties > 0, "the guard never cut on a device whose batches stray");
+        assert!(near_ties > 0, "the guard never cut in {compared} runs on a device whose batches stray");
     }
 }
 
