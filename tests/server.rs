@@ -778,6 +778,10 @@ fn chat_templates_render_as_jinja_and_refusals_name_the_messages() {
     let chat_count = server.post_ok("/v1/chat/completions/input_tokens", json!({ "messages": chat }))["input_tokens"].as_u64().unwrap();
     assert_eq!(count(&thinking), chat_count, "thinking blocks and reasoning_content render alike");
     assert!(count(&thinking) > count(&without));
+    // OpenAI text content parts are joined by a blank line, as llama-server joins them
+    let parts = json!([{ "role": "user", "content": [{ "type": "text", "text": "Wh" }, { "type": "text", "text": "ill" }] }]);
+    let v = server.post_ok("/apply-template", json!({ "messages": parts }));
+    assert!(v["prompt"].as_str().unwrap().contains("<|im_start|>user\nWh\n\nill<|im_end|>"), "{v}");
 }
 
 /// llama-server's flags mean what they mean there: `-c` is the context of all slots together,

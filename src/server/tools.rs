@@ -354,6 +354,7 @@ pub fn conversation(messages: Vec<super::types::ChatMessageIn>, native: bool) ->
         let content = match m.content {
             None => String::new(),
             Some(MessageContent::Text(t)) => t,
+            // text parts joined by a blank line, as llama-server joins them
             Some(MessageContent::Parts(parts)) => parts
                 .into_iter()
                 .map(|p| match (p.kind.as_str(), p.text) {
@@ -363,7 +364,8 @@ pub fn conversation(messages: Vec<super::types::ChatMessageIn>, native: bool) ->
                         format!("content parts of type `{kind}` are not supported: the model reads text"),
                     )),
                 })
-                .collect::<Result<String, _>>()?,
+                .collect::<Result<Vec<String>, _>>()?
+                .join("\n\n"),
         };
         let calls: Vec<Value> = m
             .tool_calls
@@ -526,7 +528,14 @@ mod tests {
 
     #[test]
     fn grammars_hold_what_the_choice_asks() {
-        assert_eq!(tools(json!("auto"), Format::Hermes).grammar().unwrap(), None);
+        // Hermes with `auto`: the calls' grammar, held lazily from `<tool_call>` on
+        let mut opts = GenerateOptions::default();
+        tools(json!("auto"), Format::Hermes).constrain(&mut opts).unwrap();
+        assert!(opts.grammar.as_deref().is_some_and(|g| g.starts_with("root ::= call")), "{:?}", opts.grammar);
+        assert_eq!(opts.grammar_triggers, ["<tool_call>"]);
+        let mut opts = GenerateOptions::default();
+        tools(json!("required"), Format::Hermes).constrain(&mut opts).unwrap();
+        assert!(opts.grammar.is_some() && opts.grammar_triggers.is_empty(), "required holds from the first token");
         assert_eq!(tools(json!("none"), Format::Generic { native: false }).grammar().unwrap(), None);
         let named = tools(json!({ "type": "function", "function": { "name": "add" } }), Format::Hermes).grammar().unwrap().unwrap();
         assert!(named.starts_with("root ::= call\ncall ::= \"<tool_call>\\n\" tool-call-json \"\\n</tool_call>\""), "{named}");
