@@ -307,8 +307,13 @@ impl Stats {
     }
 
     fn record_cycle(&mut self, drafted: usize, accepted: usize) {
+        self.record_verify(drafted, accepted, accepted + 1);
+    }
+
+    /// A verify decode that committed `committed` tokens, `accepted` of them drafted.
+    fn record_verify(&mut self, drafted: usize, accepted: usize, committed: usize) {
         self.cycles += 1;
-        self.cycle_tokens += accepted + 1;
+        self.cycle_tokens += committed;
         self.n_drafted += drafted;
         self.n_draft_accepted += accepted;
         if drafted == 0 {
@@ -1095,7 +1100,7 @@ impl Engine {
     fn retry_alone(&mut self, p: &Plan, run: &mut Run) -> Result<(Vec<Token>, Vec<TokenProb>)> {
         self.commit_target(p, &[])?;
         self.target.seq_rm(p.slot as i32, p.pos0 as i32, -1)?;
-        run.stats.record_cycle(p.tree.len(), 0);
+        run.stats.record_verify(p.tree.len(), 0, 0);
         Ok((Vec::new(), Vec::new()))
     }
 

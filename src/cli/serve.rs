@@ -51,6 +51,11 @@ pub struct ServeArgs {
     /// for it alone.
     #[arg(long)]
     pub verbose: bool,
+    /// Origins whose pages a browser lets call this server, comma-separated (llama-server's
+    /// `--cors-origins`): exact origins (`https://app.example`), or `localhost` for any port
+    /// of localhost, 127.0.0.1 and [::1]. Default: every origin (the request's is mirrored).
+    #[arg(long = "cors-origins", value_delimiter = ',')]
+    pub cors_origins: Vec<String>,
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long = "max-body", default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -116,6 +121,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         template,
         slots_endpoint: !args.no_slots,
         verbose: args.verbose,
+        cors_origins: args.cors_origins.clone(),
     });
     anyhow::ensure!(
         args.read_timeout.is_finite() && args.read_timeout > 0.0,

@@ -64,6 +64,8 @@ pub struct AppState {
     pub started_unix: u64,
     /// `--verbose`: every whole OpenAI answer carries `__verbose`.
     pub verbose: bool,
+    /// `--cors-origins`: the origins browsers may call from (empty: any).
+    pub cors_origins: Vec<String>,
 }
 
 impl AppState {
@@ -135,21 +137,38 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(axum::Extension(body_timeout))
-        .layer(cors())
+        .layer(cors(&state.cors_origins))
         .with_state(state)
 }
 
-/// Browser front-ends on any origin may call the server, as with llama-server: the request's
-/// origin is mirrored, and preflight requests are answered before the API key is asked for
-/// (browsers send no credentials with them).
-fn cors() -> tower_http::cors::CorsLayer {
+/// Browser front-ends may call the server, as with llama-server: from the origins of
+/// `--cors-origins`, or from any (the request's origin is mirrored); preflight requests are
+/// answered before the API key is asked for (browsers send no credentials with them). An origin
+/// not allowed gets no `Access-Control-Allow-Origin`, so the browser keeps the answer from it.
+fn cors(allowed: &[String]) -> tower_http::cors::CorsLayer {
     use axum::http::Method;
     use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+    let origin = if allowed.is_empty() {
+        AllowOrigin::mirror_request()
+    } else {
+        let allowed = allowed.to_vec();
+        AllowOrigin::predicate(move |origin, _| origin.to_str().is_ok_and(|o| cors_allows(&allowed, o)))
+    };
     CorsLayer::new()
-        .allow_origin(AllowOrigin::mirror_request())
+        .allow_origin(origin)
         .allow_credentials(true)
         .allow_methods([Method::GET, Method::POST])
         .allow_headers(AllowHeaders::mirror_request())
+}
+
+/// Whether `origin` is one of `allowed` (exact), or a local page where `localhost` is allowed.
+fn cors_allows(allowed: &[String], origin: &str) -> bool {
+    let local = || {
+        let Some(rest) = origin.strip_prefix("http://").or_else(|| origin.strip_prefix("https://")) else { return false };
+        let port = ["localhost", "127.0.0.1", "[::1]"].iter().find_map(|h| rest.strip_prefix(h));
+        port.is_some_and(|p| p.is_empty() || p.strip_prefix(':').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())))
+    };
+    allowed.iter().any(|a| if a == "localhost" { local() } else { a == origin })
 }
 
 /// Serve HTTP/1.1 on every listener until Ctrl-C or SIGTERM; requests in progress are answered first. At most
@@ -243,4 +262,18 @@ async fn shutdown_signal() {
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
     tracing::info!("shutting down: finishing the requests in progress");
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cors_origins_allow_exact_origins_and_local_pages() {
+        let allowed = ["localhost".to_string(), "https://app.example".to_string()];
+        for ok in ["http://localhost", "http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]", "https://[::1]:5173", "https://app.example"] {
+            assert!(super::cors_allows(&allowed, ok), "{ok}");
+        }
+        for no in ["http://evil.com", "http://notlocalhost", "http://localhost.evil.com", "http://localhost:", "http://localhost:80x", "https://app.example:8443", "localhost"] {
+            assert!(!super::cors_allows(&allowed, no), "{no}");
+        }
+    }
 }

@@ -42,14 +42,14 @@ RENAMED = {
     "--chat-template": "--chat-template", "--chat-template-file": "--chat-template-file",
     "-ctk": "--cache-type-k", "--cache-type-k": "--cache-type-k",
     "-ctv": "--cache-type-v", "--cache-type-v": "--cache-type-v",
-    "--batch-size": "--batch-size", "-b": "--batch-size",
+    "--batch-size": "--batch-size", "-b": "--batch-size", "--cors-origins": "--cors-origins",
 }
 SWITCHES = {"--slots": "--slots", "--no-slots": "--no-slots", "--verbose": "--verbose"}
 
 # Dropped with their value: the micro-batch, offload and attention kernels do not change answers
-# here; CORS mirrors every origin (README).
+# here.
 DROPPED_VALUE = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-fa",
-                 "--flash-attn", "--cache-ram", "--cors-origins", "--reasoning-format",
+                 "--flash-attn", "--cache-ram", "--reasoning-format",
                  "--spec-draft-n-min", "--spec-draft-n-max", "--hf-token"}
 # Dropped switches: continuous batching, the chat template's Jinja rendering and /metrics are
 # always on; the rest concern llama-server's web UI, downloads or its unified KV cache.
