@@ -1051,11 +1051,15 @@ impl Engine {
     /// The near-tie guard, where verify batches are not bit-exact (a GPU backend: the probe
     /// measured how far a batch row strays from a single step). A token is trusted only from a
     /// row whose best candidate leads the runner-up by more than twice that (each may stray),
-    /// times [`NEAR_TIE_SAFETY`] (the probe sees a few rows, not every one). At the first row that leads by less, the cycle is cut: the tokens before it stand,
-    /// and the row's input is decoded alone next cycle (as plain decoding decodes it), which
-    /// decides. Accepted side branches of a tree are dropped at their first node (its token,
-    /// chosen on an in-order row, stands): re-decoding them would be another batch.
+    /// times [`NEAR_TIE_SAFETY`] (the probe sees a few rows, not every one). At the first row
+    /// that leads by less, the cycle is cut: the tokens before it stand, and the row's input is
+    /// decoded alone next cycle (as plain decoding decodes it), which decides. Accepted side
+    /// branches of a tree are dropped at their first node (its token, chosen on an in-order
+    /// row, stands): re-decoding them would be another batch.
     fn guard_near_ties(&mut self, p: &Plan, run: &mut Run, mut path: Vec<usize>, mut next: Token) -> Result<Guarded> {
+        if p.tree.is_empty() {
+            return Ok(Guarded::Keep(path, next)); // a plain step: what plain decoding does
+        }
         let margin = match self.near_tie_margin {
             Some(m) => m,
             None => match self.target.model().verify_tolerance(self.batch.len()) {
@@ -1063,9 +1067,6 @@ impl Engine {
                 None => return Ok(Guarded::Keep(path, next)),
             },
         };
-        if p.tree.is_empty() {
-            return Ok(Guarded::Keep(path, next)); // a plain step: what plain decoding does
-        }
         let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();
         if in_order < path.len() {
             next = p.tree.nodes[path[in_order]].token;

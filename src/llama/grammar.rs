@@ -18,42 +18,38 @@ unsafe impl Send for Grammar {}
 impl Grammar {
     /// `gbnf` with its `root` rule, for `model`'s vocabulary.
     pub fn new(model: &Model, gbnf: &str) -> Result<Self> {
-        let text = CString::new(gbnf).map_err(|_| LlamaError::Invalid("the grammar holds a NUL byte".into()))?;
-        let root = CString::new("root").expect("no NUL");
-        // SAFETY: the vocabulary outlives the call; the strings are NUL-terminated. The wrapper
-        // catches llama.cpp's exceptions and returns NULL for a grammar it cannot parse.
-        let ptr = unsafe { sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), text.as_ptr(), root.as_ptr()) };
-        NonNull::new(ptr)
-            .map(|ptr| Self { ptr })
-            .ok_or_else(|| LlamaError::Invalid("llama.cpp cannot parse the grammar (see its log for where)".into()))
+        Self::lazy(model, gbnf, &[])
     }
 
     /// `gbnf` that holds only from the first of `triggers` on: the text before it is free, and
     /// the grammar reads the generation from the trigger's first character (llama.cpp's lazy
-    /// grammar). No triggers: [`Grammar::new`].
+    /// grammar). No triggers: it holds from the first token.
     pub fn lazy(model: &Model, gbnf: &str, triggers: &[String]) -> Result<Self> {
-        if triggers.is_empty() {
-            return Self::new(model, gbnf);
-        }
         let text = CString::new(gbnf).map_err(|_| LlamaError::Invalid("the grammar holds a NUL byte".into()))?;
         let root = CString::new("root").expect("no NUL");
-        let words: Vec<CString> = triggers
-            .iter()
-            .map(|w| CString::new(w.as_str()).map_err(|_| LlamaError::Invalid("a grammar trigger holds a NUL byte".into())))
-            .collect::<Result<_>>()?;
-        let mut ptrs: Vec<*const std::os::raw::c_char> = words.iter().map(|w| w.as_ptr()).collect();
-        // SAFETY: as in `new`; `ptrs` points into `words`, both alive for the call, and the
-        // wrapper copies the words into escaped patterns.
-        let ptr = unsafe {
-            sys::llama_rs_sampler_init_grammar_lazy(
-                model.vocab_ptr(),
-                text.as_ptr(),
-                root.as_ptr(),
-                ptrs.as_mut_ptr(),
-                ptrs.len(),
-                std::ptr::null(),
-                0,
-            )
+        // SAFETY: the vocabulary outlives the call; the strings are NUL-terminated. The wrapper
+        // catches llama.cpp's exceptions and returns NULL for a grammar it cannot parse.
+        let ptr = if triggers.is_empty() {
+            unsafe { sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), text.as_ptr(), root.as_ptr()) }
+        } else {
+            let words: Vec<CString> = triggers
+                .iter()
+                .map(|w| CString::new(w.as_str()).map_err(|_| LlamaError::Invalid("a grammar trigger holds a NUL byte".into())))
+                .collect::<Result<_>>()?;
+            let mut ptrs: Vec<*const std::os::raw::c_char> = words.iter().map(|w| w.as_ptr()).collect();
+            // SAFETY: as above; `ptrs` points into `words`, both alive for the call, and the
+            // wrapper copies the words into escaped patterns.
+            unsafe {
+                sys::llama_rs_sampler_init_grammar_lazy(
+                    model.vocab_ptr(),
+                    text.as_ptr(),
+                    root.as_ptr(),
+                    ptrs.as_mut_ptr(),
+                    ptrs.len(),
+                    std::ptr::null(),
+                    0,
+                )
+            }
         };
         NonNull::new(ptr)
             .map(|ptr| Self { ptr })
