@@ -85,6 +85,8 @@ impl Metrics {
         let get = |c: &AtomicU64| c.load(Relaxed);
         let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         let predicted_s = get(&self.predicted_us) as f64 / 1e6;
+        let prompt_s = get(&self.prompt_us) as f64 / 1e6;
+        let per_second = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         let rows: [(&str, &str, &str, f64); 17] = [
             ("requests_finished_total", "counter", "Generations that ran to the end.", get(&self.finished) as f64),
             (
@@ -134,19 +136,17 @@ impl Metrics {
                 "Accepted over drafted tokens.",
                 ratio(get(&self.draft_accepted), get(&self.drafted)),
             ),
-            ("prompt_seconds_total", "counter", "Time spent on prompts.", get(&self.prompt_us) as f64 / 1e6),
+            ("prompt_seconds_total", "counter", "Time spent on prompts.", prompt_s),
             (
                 "predicted_tokens_seconds",
                 "gauge",
                 "Generation speed of one slot: tokens generated per second generating.",
-                if predicted_s > 0.0 { get(&self.predicted_tokens) as f64 / predicted_s } else { 0.0 },
+                per_second(get(&self.predicted_tokens), predicted_s),
             ),
             ("requests_queued", "gauge", "Requests waiting for a slot.", queued as f64),
             ("requests_in_flight", "gauge", "Slots generating now.", get(&self.busy) as f64),
             ("slots", "gauge", "Generation slots (--parallel).", slots as f64),
         ];
-        let prompt_s = get(&self.prompt_us) as f64 / 1e6;
-        let per_second = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         // llama-server's names and meanings (tools/server: `metrics`)
         let llama: [(&str, &str, &str, f64); 15] = [
             ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", get(&self.prompt_tokens) as f64),
@@ -186,11 +186,10 @@ impl Metrics {
             ),
         ];
         let mut out = String::new();
-        for (name, kind, help, value) in rows {
-            let _ = writeln!(out, "# HELP dflash2_{name} {help}\n# TYPE dflash2_{name} {kind}\ndflash2_{name} {value}");
-        }
-        for (name, kind, help, value) in llama {
-            let _ = writeln!(out, "# HELP llamacpp:{name} {help}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}");
+        for (prefix, family) in [("dflash2_", &rows[..]), ("llamacpp:", &llama[..])] {
+            for (name, kind, help, value) in family {
+                let _ = writeln!(out, "# HELP {prefix}{name} {help}\n# TYPE {prefix}{name} {kind}\n{prefix}{name} {value}");
+            }
         }
         out
     }
