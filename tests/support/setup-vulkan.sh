@@ -10,6 +10,7 @@
 # Each check tests the very file the build uses.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
+source "$(dirname "$0")/apt.sh"
 sdk="$root/.vulkan-sdk"
 arch=$(dpkg --print-architecture)
 multiarch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
@@ -24,13 +25,7 @@ compgen -G "/usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake" >/dev/null
 # lavapipe's ICD manifest is what the loader reads to find the software device
 compgen -G "/usr/share/vulkan/icd.d/lvp_icd*.json" >/dev/null || need+=(mesa-vulkan-drivers)
 command -v xz >/dev/null || need+=(xz-utils)
-if [ ${#need[@]} -gt 0 ]; then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "setup-vulkan: installing ${need[*]}" >&2
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+apt_install "${need[@]}"
 
 # headers: the file llama.cpp needs the extension from
 if ! grep -qs VK_EXT_layer_settings "$sdk/include/vulkan/vulkan_core.h" || [ ! -e "$sdk/include/vulkan/vulkan.hpp" ]; then

@@ -8,6 +8,7 @@
 # Needs root (or sudo) only when a Debian package is missing.
 set -euo pipefail
 py=${PYTHON:-python3}
+source "$(dirname "$0")/apt.sh"
 
 # bindgen (clang-sys) dlopens libclang.so or libclang-N.so[.M] (never libclang-cpp*, which is
 # another library) and parses llama.h with clang's own resource headers (stddef.h), which ship in
@@ -33,20 +34,10 @@ command -v tmux >/dev/null || need+=(tmux)
 command -v curl >/dev/null || need+=(curl)
 command -v "$py" >/dev/null || need+=(python3)
 have_libclang || need+=(libclang-dev)
-if [ ${#need[@]} -gt 0 ]; then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "setup: installing ${need[*]}" >&2
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+apt_install "${need[@]}"
 # pip and venv are modules of the interpreter the scripts run, not commands on PATH
 if ! "$py" -m pip --version >/dev/null 2>&1 || ! "$py" -c 'import ensurepip, venv' 2>/dev/null; then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "setup: installing python3-pip python3-venv" >&2
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-pip python3-venv >/dev/null
+  apt_install python3-pip python3-venv
 fi
 
 # the drafter training environment (gguf-drafters/train), kept between runs
