@@ -15,7 +15,7 @@ use std::ptr::{null, null_mut};
 use std::sync::OnceLock;
 
 fn drafter() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf")
+    common::shipped_drafter()
 }
 
 /// A random DFlash 2 drafter paired with the Qwen2.5-Coder target (a qwen2 graph: no native

@@ -17,7 +17,7 @@ use dflash2::target::{load_target, probe, Repack};
 const VERIFY_BATCHES: [usize; 7] = [2, 4, 5, 8, 16, 17, 33];
 
 fn config(gpu_layers: i32) -> EngineConfig {
-    let drafter = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter = common::shipped_drafter();
     let mut cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter));
     cfg.n_gpu_layers = gpu_layers;
     cfg.n_ctx = 512;
@@ -37,10 +37,8 @@ fn no_offloaded_layer_keeps_every_computation_on_the_cpu() {
     for c in &p.checks {
         assert!(c.identical, "--gpu-layers 0: a batch of {} rows differs by up to {}", c.batch, c.max_abs_diff);
     }
-    let (target, drafter) = Engine::load_models(&cfg).unwrap();
+    let (target, mut plain, mut spec) = common::plain_and_speculative(&cfg, |_| {});
     let prompt = common::chat_prompt(&target, common::PROMPTS[0]);
-    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
-    let mut spec = Engine::from_models(target, drafter, &cfg).unwrap();
     let opts = GenerateOptions { n_predict: 24, select: SelectMode::None, ..Default::default() };
     let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
     for select in [SelectMode::Greedy, SelectMode::Tree] {
@@ -80,9 +78,7 @@ fn the_probe_runs_on_the_device_and_reports_what_it_finds() {
 #[test]
 fn speculative_output_on_the_device_differs_only_at_near_ties() {
     let cfg = config(999);
-    let (target, drafter) = Engine::load_models(&cfg).unwrap();
-    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
-    let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
+    let (target, mut plain, mut spec) = common::plain_and_speculative(&cfg, |_| {});
     let (mut near_ties, mut compared) = (0, 0);
     for text in [common::PROMPTS[2], "Write a haiku about autumn."] {
         let prompt = common::chat_prompt(&target, text);

@@ -6,7 +6,7 @@ mod common;
 
 use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
 use common::chat_prompt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Requests that quote what the answer repeats: code to change, JSON to transform.
 const EDITING: [&str; 3] = [
@@ -79,7 +79,7 @@ const ALL_MODES: [Mode; 9] = [
 
 #[test]
 fn smollm2_lookup_equals_plain_in_every_mode() {
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter = common::shipped_drafter();
     let taken = check(common::SMOLLM2, Some(drafter), 64, &ALL_MODES);
     eprintln!("look-up tokens taken: {taken}");
     assert!(taken > 100, "the target took only {taken} look-up tokens: the look-up went untested");

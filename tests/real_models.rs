@@ -139,7 +139,7 @@ const TRAINED_TAU_FLOOR: f64 = 1.3;
 /// trained (a random drafter's tau is 1.0; the model card reports the measured figures).
 #[test]
 fn smollm2_shipped_drafter_is_lossless_and_accepted() {
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter = common::shipped_drafter();
     let prompts = heldout_prompts(0..10);
     let modes = [(SelectMode::Greedy, 16), (SelectMode::BestPath, 16), (SelectMode::Tree, 16), (SelectMode::Greedy, 4)];
     let tally = check_target(common::SMOLLM2, Some(&drafter), &prompts, 64, &modes, 8, CacheTypes::default());
@@ -153,7 +153,7 @@ fn smollm2_shipped_drafter_is_lossless_and_accepted() {
 /// with 32-node trees, one such row gave a next token that plain decoding does not.
 #[test]
 fn smollm2_tree_side_branches_match_plain_decoding() {
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter = common::shipped_drafter();
     let tally = check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(7..8), 128, &[(SelectMode::Tree, 16)], 32, CacheTypes::default());
     assert!(tally[0].redecoded > 0, "no side branch was accepted: the test no longer covers them");
 }
@@ -163,11 +163,8 @@ fn smollm2_tree_side_branches_match_plain_decoding() {
 /// gives plain decoding's tokens; drafts the grammar forbids are cut before verification.
 #[test]
 fn smollm2_grammar_constrained_output_is_lossless() {
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
-    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter));
-    let (target, drafter) = Engine::load_models(&cfg).unwrap();
-    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
-    let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
+    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(common::shipped_drafter()));
+    let (target, mut plain, mut spec) = common::plain_and_speculative(&cfg, |_| {});
     let schema = r#"{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}"#;
     let json = dflash2::llama::Grammar::from_json_schema(schema).unwrap();
     let yes_no = r#"root ::= ("yes" | "no") ", because " [a-z ]+ ".""#.to_string();
@@ -210,11 +207,8 @@ fn smollm2_grammar_constrained_output_is_lossless() {
 /// decoding follow the same law, so every mode gives plain decoding's tokens.
 #[test]
 fn smollm2_lazy_grammar_holds_from_its_trigger_and_is_lossless() {
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
-    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter));
-    let (target, drafter) = Engine::load_models(&cfg).unwrap();
-    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
-    let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
+    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(common::shipped_drafter()));
+    let (target, mut plain, mut spec) = common::plain_and_speculative(&cfg, |_| {});
     let prompt = chat_prompt(&target, "Tell me about the sea.");
     let grammar = r#"root ::= "the" [a-z ]* ".""#.to_string();
     let opts = GenerateOptions {
@@ -249,12 +243,8 @@ fn smollm2_lazy_grammar_holds_from_its_trigger_and_is_lossless() {
 /// through cut chains, dropped tree branches and cycles that commit nothing.
 #[test]
 fn smollm2_near_tie_guard_cuts_cycles_and_stays_lossless() {
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
-    let mut cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter));
-    let (target, drafter) = Engine::load_models(&cfg).unwrap();
-    let mut plain = Engine::from_models(target.clone(), None, &cfg).unwrap();
-    cfg.near_tie_margin = Some(1.0);
-    let mut spec = Engine::from_models(target.clone(), drafter, &cfg).unwrap();
+    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(common::shipped_drafter()));
+    let (target, mut plain, mut spec) = common::plain_and_speculative(&cfg, |c| c.near_tie_margin = Some(1.0));
     let mut cuts = 0;
     for text in ["Tell me about the sea.", "Write a haiku about autumn.", "def fibonacci(n):"] {
         let prompt = chat_prompt(&target, text);
@@ -274,7 +264,7 @@ fn smollm2_near_tie_guard_cuts_cycles_and_stays_lossless() {
 /// caches: speculative output still equals plain decoding with the same target cache.
 #[test]
 fn smollm2_quantized_target_k_cache_stays_lossless() {
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter = common::shipped_drafter();
     let cache = CacheTypes { target_k: CacheType::Q8_0, draft_k: CacheType::F16, draft_v: CacheType::F16, ..CacheTypes::default() };
     let modes = [(SelectMode::Greedy, 16), (SelectMode::Tree, 16)];
     check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(0..4), 64, &modes, 16, cache);

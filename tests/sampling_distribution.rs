@@ -22,7 +22,7 @@ struct Fixture {
 /// SmolLM2 with the shipped, trained drafter, whose candidates often hold the target's
 /// token: the only pairing here where token trees keep side branches at T > 0.
 fn smollm2_fixture(text: &str) -> Fixture {
-    let drafter_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter_path = common::shipped_drafter();
     let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(drafter_path));
     let (target, drafter) = Engine::load_models(&cfg).unwrap();
     let drafter = drafter.unwrap();

@@ -1162,7 +1162,7 @@ fn tool_calls_come_back_in_openai_shape_on_real_models() {
 
     // SmolLM2's template knows no tools: the generic format, with the shipped drafter and without.
     let smol = common::real_model(common::SMOLLM2);
-    let drafter = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf");
+    let drafter = common::shipped_drafter();
     let spec = Server::start_with("tools-smol-spec", smol.to_str().unwrap(), &["-d", drafter.to_str().unwrap(), "--block", "8"]);
     let plain = Server::start_with("tools-smol-plain", smol.to_str().unwrap(), &[]);
     let prompt = spec.post_ok("/apply-template", json!({ "messages": ask, "tools": [weather] }))["prompt"].as_str().unwrap().to_string();

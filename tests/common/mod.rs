@@ -17,6 +17,26 @@ pub fn real_model(file: &str) -> PathBuf {
     p
 }
 
+/// The shipped SmolLM2 DFlash 2 drafter.
+pub fn shipped_drafter() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf")
+}
+
+/// The target and drafter of `cfg`, loaded as every command loads them, with an engine that
+/// decodes plainly and one that speculates (under `cfg` as `spec` changes it).
+pub fn plain_and_speculative(
+    cfg: &dflash2::engine::EngineConfig,
+    spec: impl FnOnce(&mut dflash2::engine::EngineConfig),
+) -> (std::sync::Arc<dflash2::llama::Model>, dflash2::engine::Engine, dflash2::engine::Engine) {
+    use dflash2::engine::Engine;
+    let (target, drafter) = Engine::load_models(cfg).unwrap();
+    let plain = Engine::from_models(target.clone(), None, cfg).unwrap();
+    let mut spec_cfg = cfg.clone();
+    spec(&mut spec_cfg);
+    let speculative = Engine::from_models(target.clone(), drafter, &spec_cfg).unwrap();
+    (target, plain, speculative)
+}
+
 pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const QWEN_05B: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
