@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -29,11 +29,7 @@ fn model(name: &str) -> String {
     models().join(name).to_str().unwrap().to_string()
 }
 
-/// A `dflash2 serve` child on a free loopback port, killed when dropped.
-struct Server {
-    child: Child,
-    base: String,
-}
+use common::Server;
 
 impl Server {
     fn start(name: &str, extra: &[&str]) -> Server {
@@ -41,30 +37,7 @@ impl Server {
     }
 
     fn start_with(name: &str, target: &str, extra: &[&str]) -> Server {
-        let log = common::scratch_dir("server-logs").join(format!("{name}.log"));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dflash2"))
-            .args(["serve", "-m", target, "--host", "127.0.0.1", "--port", "0", "-t", "1"])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start dflash2 serve");
-        // The server prints its address once it listens (it chose the port: --port 0).
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx.recv_timeout(Duration::from_secs(120)).unwrap_or_default();
-        let Some(addr) = line.trim().strip_prefix("dflash2 listening on ") else {
-            let _ = child.kill();
-            panic!("{name} did not start: {line:?}; log: {}", std::fs::read_to_string(&log).unwrap_or_default());
-        };
-        let server = Server { child, base: addr.to_string() };
-        assert!(addr.starts_with("http://127.0.0.1:"), "{addr}");
+        let server = Server::spawn(name, &[&["-m", target, "-t", "1"], extra].concat());
         server.wait_healthy();
         server
     }
@@ -127,13 +100,6 @@ impl Server {
 
     fn assert_healthy(&self, after: &str) {
         assert_eq!(self.get("/health"), (200, r#"{"status":"ok"}"#.to_string()), "after {after}");
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -850,6 +816,28 @@ fn llama_server_flags_mean_what_they_mean_there() {
 /// Penalties and logit biases arrive (they change the answer) and stay lossless with a drafter;
 /// fields this server does not build pass at their neutral values (as llama.cpp's web UI sends
 /// them) and are refused by name otherwise.
+#[test]
+fn prompts_over_max_prompt_tokens_are_refused_as_over_a_context_of_that_size() {
+    let server = Server::start("prompt-cap", &["--max-prompt-tokens", "24"]);
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(8);
+    for (path, body) in [
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": long }], "max_tokens": 2 })),
+        ("/completion", json!({ "prompt": long, "n_predict": 2 })),
+        ("/v1/completions", json!({ "prompt": ["hi", long], "max_tokens": 2 })),
+    ] {
+        let (code, v) = server.post(path, &body.to_string());
+        assert_eq!(code, 400, "{path}: {v}");
+        assert_eq!((&v["error"]["type"], &v["error"]["code"]), (&json!("exceed_context_size_error"), &json!("context_length_exceeded")), "{v}");
+        assert_eq!(v["error"]["n_ctx"], 24, "{path}: the cap stands for the context: {v}");
+        assert!(v["error"]["n_prompt_tokens"].as_u64().unwrap() > 24, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("--max-prompt-tokens"), "{v}");
+    }
+    // under the cap: answered
+    server.post_ok("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 2 }));
+    server.post_ok("/completion", json!({ "prompt": "the quick brown fox", "n_predict": 2 }));
+    server.wait_idle();
+}
+
 #[test]
 fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
     let d = drafter();

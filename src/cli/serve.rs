@@ -27,6 +27,10 @@ pub struct ServeArgs {
     /// Tokens a request generates at most when it sets no limit (-1: to the end of its slot's context).
     #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_negative_numbers = true)]
     pub n_predict: i64,
+    /// Longest prompt a request may send, in tokens (0: as long as a slot's context holds); a
+    /// longer one is refused as a prompt over the context is, naming this cap as `n_ctx`.
+    #[arg(long = "max-prompt-tokens", default_value_t = 0)]
+    pub max_prompt_tokens: usize,
     /// Requests that may wait for a slot; past that the server answers 503 (default: 4 x parallel).
     #[arg(long)]
     pub queue: Option<usize>,
@@ -78,6 +82,30 @@ pub struct ServeArgs {
 const MIN_SLOT_CTX: usize = 256;
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let (router, limits) = app(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let (mut listeners, mut lines) = (Vec::with_capacity(args.host.len()), String::new());
+        for host in &args.host {
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let listener = tokio::net::TcpListener::bind((host, args.port))
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on {host} port {}: {e}", args.port))?;
+            lines += &format!("dflash2 listening on http://{}\n", listener.local_addr()?);
+            listeners.push(listener);
+        }
+        // A line per address on stdout, in one write, so that scripts (and the tests) learn a
+        // port chosen with --port 0.
+        print!("{lines}");
+        std::io::stdout().flush()?;
+        server::serve(listeners, router, limits).await?;
+        anyhow::Ok(())
+    })
+}
+
+/// The server as `args` describe it, models loaded, not yet listening: its routes and the
+/// limits the accept loop applies (the fuzz harness drives the routes in-process).
+pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
     anyhow::ensure!(args.parallel >= 1, "--parallel must be at least 1");
     let select = args.draft.select(args.models.drafter.is_some())?;
     let drafter = if select == SelectMode::None { None } else { args.models.drafter.clone() };
@@ -117,6 +145,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             lookup_ngram: args.draft.lookup_ngram,
             sampling: args.sampling.params(),
             n_predict: usize::try_from(args.n_predict).ok(),
+            max_prompt_tokens: Some(args.max_prompt_tokens).filter(|&n| n > 0),
         },
         template,
         slots_endpoint: !args.no_slots,
@@ -133,26 +162,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         read_timeout: std::time::Duration::from_secs_f64(args.read_timeout),
         max_body_bytes: args.max_body,
     };
-    let router = server::router(state, &limits);
-
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async {
-        let (mut listeners, mut lines) = (Vec::with_capacity(args.host.len()), String::new());
-        for host in &args.host {
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            let listener = tokio::net::TcpListener::bind((host, args.port))
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot listen on {host} port {}: {e}", args.port))?;
-            lines += &format!("dflash2 listening on http://{}\n", listener.local_addr()?);
-            listeners.push(listener);
-        }
-        // A line per address on stdout, in one write, so that scripts (and the tests) learn a
-        // port chosen with --port 0.
-        print!("{lines}");
-        std::io::stdout().flush()?;
-        server::serve(listeners, router, limits).await?;
-        anyhow::Ok(())
-    })
+    Ok((server::router(state, &limits), limits))
 }
 
 fn file_name(p: &Path) -> String {

@@ -12,6 +12,10 @@ pub enum ApiError {
     InvalidRequest { message: String, param: Option<String> },
     #[error("the prompt has {n_prompt} tokens but the context holds {n_ctx}")]
     ContextExceeded { n_prompt: usize, n_ctx: usize },
+    /// Over `--max-prompt-tokens`: answered as a context that holds that many, so clients that
+    /// trim a conversation to `n_ctx` trim it to the cap.
+    #[error("the prompt has {n_prompt} tokens but this server takes prompts of at most {cap} (--max-prompt-tokens)")]
+    PromptCap { n_prompt: usize, cap: usize },
     #[error("missing or invalid API key (send `Authorization: Bearer KEY` or `X-Api-Key: KEY`)")]
     Unauthorized,
     #[error("no endpoint {0}")]
@@ -39,7 +43,9 @@ impl ApiError {
         match self {
             InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
             // llama-server's type, OpenAI's code
-            ContextExceeded { .. } => (StatusCode::BAD_REQUEST, "exceed_context_size_error", "context_length_exceeded"),
+            ContextExceeded { .. } | PromptCap { .. } => {
+                (StatusCode::BAD_REQUEST, "exceed_context_size_error", "context_length_exceeded")
+            }
             Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"),
             NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
             MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed"),
@@ -69,7 +75,7 @@ impl ApiError {
             _ => None,
         };
         let mut body = serde_json::json!({ "message": self.to_string(), "type": kind, "param": param, "code": code });
-        if let ApiError::ContextExceeded { n_prompt, n_ctx } = self {
+        if let ApiError::ContextExceeded { n_prompt, n_ctx } | ApiError::PromptCap { n_prompt, cap: n_ctx } = self {
             // llama-server's fields, which its clients read to trim a conversation
             body["n_prompt_tokens"] = (*n_prompt).into();
             body["n_ctx"] = (*n_ctx).into();

@@ -42,6 +42,8 @@ pub struct Defaults {
     pub sampling: SamplingParams,
     /// Tokens a request without a limit generates at most (`-n`; None: to the end of the context).
     pub n_predict: Option<usize>,
+    /// Longest prompt a request may send, in tokens (`--max-prompt-tokens`; None: the slot's context).
+    pub max_prompt_tokens: Option<usize>,
 }
 
 /// Everything the handlers share.

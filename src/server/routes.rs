@@ -391,6 +391,9 @@ pub(super) fn submit(
         if prompt.len() >= s.n_ctx() {
             return Err(ApiError::ContextExceeded { n_prompt: prompt.len(), n_ctx: s.n_ctx() });
         }
+        if let Some(cap) = s.defaults.max_prompt_tokens.filter(|&cap| prompt.len() > cap) {
+            return Err(ApiError::PromptCap { n_prompt: prompt.len(), cap });
+        }
     }
     // `n` choices are `n` generations of one prompt, decoded side by side in the slots; at T > 0
     // choice i samples with seed + i (one seed would give n copies of one answer).

@@ -157,3 +157,55 @@ pub fn lib_dir() -> PathBuf {
         })
         .to_path_buf()
 }
+
+/// A `dflash2 serve` child on a free loopback port (`--port 0`), killed when dropped; its log is
+/// kept under the scratch directory and shown when it does not start.
+pub struct Server {
+    pub child: std::process::Child,
+    /// `http://127.0.0.1:PORT`
+    pub base: String,
+}
+
+impl Server {
+    /// `dflash2 serve ARGS` on 127.0.0.1, once it prints the address it listens on.
+    pub fn spawn(name: &str, args: &[&str]) -> Server {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let log = scratch_dir("server-logs").join(format!("{name}.log"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dflash2"))
+            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start dflash2 serve");
+        // The server prints its address once it listens (it chose the port: --port 0).
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(std::time::Duration::from_secs(120)).unwrap_or_default();
+        let Some(addr) = line.trim().strip_prefix("dflash2 listening on ") else {
+            let _ = child.kill();
+            panic!("{name} did not start: {line:?}; log: {}", std::fs::read_to_string(&log).unwrap_or_default());
+        };
+        assert!(addr.starts_with("http://127.0.0.1:"), "{addr}");
+        Server { child, base: addr.to_string() }
+    }
+
+    /// `127.0.0.1:PORT`, for raw sockets.
+    pub fn addr(&self) -> &str {
+        self.base.trim_start_matches("http://")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
