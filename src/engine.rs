@@ -9,7 +9,7 @@ use crate::draft::drafter::Drafter;
 use crate::draft::lookup::{self, NgramIndex};
 use crate::draft::select::{self, proposal, Greedy, Selector, Walk};
 use crate::draft::{lattice, DraftTree, Origin};
-use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token};
+use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, ModelParams, Token, UpstreamDrafter};
 pub use crate::target::Repack;
 use crate::llama::Grammar;
 use crate::sampling::{token_probs, Distribution, Sampler, SamplingParams, TokenProb};
@@ -159,6 +159,10 @@ pub struct GenerateOptions {
     /// Report each output token's log-probability and this many likeliest alternatives
     /// (None: none), from the same target rows that chose it.
     pub n_probs: Option<usize>,
+    /// Draft with one of llama.cpp's own n-gram types instead (`llama::LLAMA_NGRAM_TYPES`, its
+    /// default settings, every draft verified as it comes): the baseline `bench --llama-ngram`
+    /// measures the look-up against.
+    pub llama_ngram: Option<&'static str>,
     /// How drafts are checked at temperature > 0. Only tests change it.
     #[doc(hidden)]
     pub verifier: Verifier,
@@ -191,6 +195,7 @@ impl Default for GenerateOptions {
             n_probs: None,
             grammar: None,
             grammar_triggers: Vec::new(),
+            llama_ngram: None,
             verifier: Verifier::Rejection,
         }
     }
@@ -384,6 +389,8 @@ struct Plan {
     max_draft: usize,
     /// Whether the drafter drafts for this plan this cycle.
     use_drafter: bool,
+    /// Whether llama.cpp's n-gram drafting drafts for it (`GenerateOptions::llama_ngram`).
+    use_llama_ngram: bool,
     lattice: Option<lattice::Lattice>,
     /// The context look-up's proposal.
     lookup: Option<lookup::Proposal>,
@@ -409,6 +416,8 @@ pub struct Engine {
     near_tie_margin: Option<f32>,
     /// Scratch: the token history of a verify row (for the repetition penalty).
     history: Vec<Token>,
+    /// llama.cpp's n-gram drafting, of the type runs last asked for.
+    llama_ngram: Option<(&'static str, UpstreamDrafter)>,
 }
 
 impl Engine {
@@ -485,6 +494,7 @@ impl Engine {
             cost: CostModel::default(),
             near_tie_margin: cfg.near_tie_margin,
             history: Vec::new(),
+            llama_ngram: None,
         })
     }
 
@@ -578,7 +588,8 @@ impl Engine {
                 opts.lookup_ngram
             )));
         }
-        let speculative = opts.select != SelectMode::None && (self.drafter.is_some() || opts.lookup);
+        let speculative =
+            opts.select != SelectMode::None && (self.drafter.is_some() || opts.lookup || opts.llama_ngram.is_some());
         let mut run = Run {
             slot,
             opts: opts.clone(),
@@ -596,6 +607,12 @@ impl Engine {
         };
         let (first, first_prob) = self.prefill(slot, prompt, &mut run, progress)?;
         run.next = first;
+        if let Some(kind) = opts.llama_ngram.filter(|_| speculative) {
+            if self.llama_ngram.as_ref().is_none_or(|(k, _)| *k != kind) {
+                self.llama_ngram = Some((kind, UpstreamDrafter::ngram(kind, &self.target, self.slots.len())?));
+            }
+            self.llama_ngram.as_mut().expect("made above").1.begin(slot as i32, prompt)?;
+        }
         if let Some(g) = run.grammar.as_mut().filter(|_| !self.target.model().is_eog(first)) {
             g.accept(first)?;
         }
@@ -715,7 +732,8 @@ impl Engine {
                 && self.drafter.is_some()
                 && !(lookup_expected > 0.0 && lookup_expected >= self.cost.drafter_expected())
                 && (!run.opts.adaptive || self.cost.should_draft());
-            if !use_drafter && lookup.is_none() {
+            let use_llama_ngram = max_draft > 0 && run.opts.llama_ngram.is_some();
+            if !use_drafter && lookup.is_none() && !use_llama_ngram {
                 max_draft = 0;
             }
             plans.push(Plan {
@@ -725,6 +743,7 @@ impl Engine {
                 pos0,
                 max_draft,
                 use_drafter,
+                use_llama_ngram,
                 lookup,
                 lattice: None,
                 tree: DraftTree::default(),
@@ -743,6 +762,12 @@ impl Engine {
         let t0 = Instant::now();
         for p in plans.iter_mut().filter(|p| p.use_drafter) {
             self.flush_features(p.slot)?;
+        }
+        for p in plans.iter_mut().filter(|p| p.use_llama_ngram) {
+            let (_, ngram) = self.llama_ngram.as_mut().expect("made when the run started");
+            let tokens = ngram.draft(p.slot as i32, &self.slots[p.slot].cached, p.last, p.pos0, p.max_draft)?;
+            p.tree = DraftTree::chain(&tokens);
+            p.gains = vec![1.0; tokens.len()];
         }
         for p in plans.iter_mut() {
             if !p.use_drafter || runs[p.run].opts.select != SelectMode::Upstream {
@@ -942,6 +967,9 @@ impl Engine {
         // The target keeps `last` and the accepted path, the drafter receives their
         // features; everything else leaves both caches.
         self.commit_target(p, &path)?;
+        if let Some((_, ngram)) = self.llama_ngram.as_mut().filter(|_| p.use_llama_ngram && !p.tree.is_empty()) {
+            ngram.accept(p.slot as i32, path.len())?;
+        }
         // The principal branch (laid out first) sits in cells right after the anchor, in
         // position order, exactly as plain decoding would have put it.
         let in_order = path.iter().enumerate().take_while(|&(i, &n)| n == i).count();

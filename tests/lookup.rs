@@ -93,3 +93,32 @@ fn qwen2_coder_lookup_equals_plain_in_every_mode() {
     eprintln!("look-up tokens taken: {taken}");
     assert!(taken > 50, "the target took only {taken} look-up tokens: the look-up went untested");
 }
+
+/// llama.cpp's own n-gram drafting (`bench --llama-ngram`'s baselines), in-process through
+/// the shim and verified by the engine: plain decoding's tokens with every type, and drafts
+/// that the target takes.
+#[test]
+fn llama_cpp_ngram_drafts_verified_here_equal_plain() {
+    let mut cfg = EngineConfig::new(common::real_model(common::SMOLLM2), None);
+    cfg.n_ctx = 1024;
+    let mut engine = Engine::load(&cfg).unwrap();
+    let target = engine.model().clone();
+    let mut taken = 0;
+    for kind in dflash2::llama::LLAMA_NGRAM_TYPES {
+        let (mut drafted, mut accepted) = (0, 0);
+        for (i, text) in EDITING.iter().enumerate() {
+            let prompt = chat_prompt(&target, text);
+            let plain = GenerateOptions { n_predict: 64, select: SelectMode::None, ..Default::default() };
+            let baseline = engine.generate(&prompt, &plain, |_| true).unwrap();
+            let opts = GenerateOptions { n_predict: 64, block: 16, llama_ngram: Some(kind), ..Default::default() };
+            let g = engine.generate(&prompt, &opts, |_| true).unwrap();
+            assert_eq!(g.tokens, baseline.tokens, "llama {kind}, prompt {i}: output differs from plain\nplain: {}\nspec:  {}", baseline.text, g.text);
+            assert_eq!(engine.cache_extents().0, engine.cached_tokens().len(), "target cache out of step");
+            (drafted, accepted) = (drafted + g.stats.n_drafted, accepted + g.stats.n_draft_accepted);
+        }
+        eprintln!("llama {kind}: {accepted} of {drafted} drafted tokens taken");
+        taken += accepted;
+    }
+    // (the longer-match types need longer answers to draft at all: `bench` measures them)
+    assert!(taken > 20, "the target took {taken} of llama.cpp's drafted tokens: the baselines went untested");
+}

@@ -136,16 +136,22 @@ const char * dflash2_capture_error(const dflash2_capture * cap) {
 
 struct dflash2_upstream {
     common_speculative * spec = nullptr;
-    llama_tokens         prompt; // DFlash ignores it, the driver wants one
+    llama_tokens         context; // what the n-gram types read; DFlash ignores it
     llama_tokens         result;
 };
 
 extern "C" {
 
-dflash2_upstream * dflash2_upstream_new(llama_context * ctx_tgt, llama_context * ctx_dft, int32_t n_max, uint32_t n_seq) {
+dflash2_upstream * dflash2_upstream_new(const char * type, llama_context * ctx_tgt, llama_context * ctx_dft, int32_t n_max, uint32_t n_seq) {
     try {
+        const auto kind = common_speculative_type_from_name(type);
+        const bool dflash = kind == COMMON_SPECULATIVE_TYPE_DRAFT_DFLASH;
+        const bool ngram  = kind >= COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE && kind <= COMMON_SPECULATIVE_TYPE_NGRAM_CACHE;
+        if (!(dflash && ctx_dft != nullptr) && !(ngram && ctx_dft == nullptr)) {
+            return nullptr;
+        }
         common_params_speculative params;
-        params.types                  = { COMMON_SPECULATIVE_TYPE_DRAFT_DFLASH };
+        params.types                  = { kind };
         params.draft.ctx_tgt          = ctx_tgt;
         params.draft.ctx_dft          = ctx_dft;
         params.draft.n_max            = n_max;
@@ -173,21 +179,41 @@ void dflash2_upstream_free(dflash2_upstream * u) {
     }
 }
 
-int32_t dflash2_upstream_draft(dflash2_upstream * u, int32_t seq, llama_token last, int32_t pos0,
-                               int32_t n_max, llama_token * out, int32_t cap) {
+int32_t dflash2_upstream_begin(dflash2_upstream * u, int32_t seq, const llama_token * tokens, int32_t n) {
+    try {
+        u->context.assign(tokens, tokens + n);
+        common_speculative_begin(u->spec, seq, u->context);
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}
+
+int32_t dflash2_upstream_draft(dflash2_upstream * u, int32_t seq, const llama_token * context, int32_t n_context,
+                               llama_token last, int32_t pos0, int32_t n_max, llama_token * out, int32_t cap) {
     try {
         auto & dp = common_speculative_get_draft_params(u->spec, seq);
+        u->context.assign(context, context + n_context);
         u->result.clear();
         dp.drafting = true;
         dp.n_max    = n_max;
         dp.pos0     = pos0;
         dp.id_last  = last;
-        dp.prompt   = &u->prompt;
+        dp.prompt   = &u->context;
         dp.result   = &u->result;
         common_speculative_draft(u->spec);
-        const int32_t n = std::min<int32_t>((int32_t) u->result.size(), cap);
+        const int32_t n = std::min<int32_t>((int32_t) u->result.size(), std::min(cap, n_max));
         std::copy(u->result.begin(), u->result.begin() + n, out);
         return n;
+    } catch (...) {
+        return -1;
+    }
+}
+
+int32_t dflash2_upstream_accept(dflash2_upstream * u, int32_t seq, int32_t n_accepted) {
+    try {
+        common_speculative_accept(u->spec, seq, (uint16_t) std::clamp(n_accepted, 0, 65535));
+        return 0;
     } catch (...) {
         return -1;
     }

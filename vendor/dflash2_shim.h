@@ -37,17 +37,25 @@ const float *     dflash2_capture_rows(const dflash2_capture * cap, uint32_t i, 
 /* Non-null when a captured tensor had an unexpected shape or layout. */
 const char *      dflash2_capture_error(const dflash2_capture * cap);
 
-/* ---- llama.cpp's own DFlash driver (common/speculative.cpp), as a baseline ----
- * Drafting only: the block decode and llama.cpp's greedy lattice walk. The caller keeps
- * the drafter's cache (feature injection, removal of the block's cells). */
+/* ---- llama.cpp's own drafting (common/speculative.cpp), as baselines ----
+ * Drafting only, by one of llama.cpp's speculative types named as its `--spec-type` names them:
+ * "dflash" (the block decode and llama.cpp's greedy lattice walk over ctx_dft; the caller keeps
+ * the drafter's cache: feature injection, removal of the block's cells) or an n-gram type
+ * ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"; ctx_dft NULL),
+ * with llama.cpp's default settings for it. NULL for an unknown name or a failure. */
 typedef struct dflash2_upstream dflash2_upstream;
 
-dflash2_upstream * dflash2_upstream_new(struct llama_context * ctx_tgt, struct llama_context * ctx_dft, int32_t n_max, uint32_t n_seq);
+dflash2_upstream * dflash2_upstream_new(const char * type, struct llama_context * ctx_tgt, struct llama_context * ctx_dft,
+                                        int32_t n_max, uint32_t n_seq);
 void               dflash2_upstream_free(dflash2_upstream * u);
-/* Draft up to n_max tokens after `last` at position pos0 of sequence `seq` into out
- * (capacity cap); returns how many, or -1 on failure. */
-int32_t            dflash2_upstream_draft(dflash2_upstream * u, int32_t seq, llama_token last, int32_t pos0,
-                                          int32_t n_max, llama_token * out, int32_t cap);
+/* A new generation on `seq` whose context (prompt) is tokens[0..n): the n-gram types index it. */
+int32_t            dflash2_upstream_begin(dflash2_upstream * u, int32_t seq, const llama_token * tokens, int32_t n);
+/* Draft up to n_max tokens after `last` at position pos0 of sequence `seq` into out (capacity
+ * cap); context[0..n_context) is every token before `last`. Returns how many, or -1 on failure. */
+int32_t            dflash2_upstream_draft(dflash2_upstream * u, int32_t seq, const llama_token * context, int32_t n_context,
+                                          llama_token last, int32_t pos0, int32_t n_max, llama_token * out, int32_t cap);
+/* The target took n_accepted of the last draft of `seq` (the n-gram types adapt to it). */
+int32_t            dflash2_upstream_accept(dflash2_upstream * u, int32_t seq, int32_t n_accepted);
 
 #ifdef __cplusplus
 }

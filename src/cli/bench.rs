@@ -37,6 +37,11 @@ pub struct BenchArgs {
     /// Longest suffix the look-up matches.
     #[arg(long, default_value_t = crate::engine::DEFAULT_LOOKUP_NGRAM)]
     pub lookup_ngram: usize,
+    /// Also run llama.cpp's own n-gram drafting of these types, in-process with its default
+    /// settings (`llama ngram-mod`, ...): the baselines of the look-up. Comma-separated:
+    /// ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache.
+    #[arg(long = "llama-ngram", value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(crate::llama::LLAMA_NGRAM_TYPES))]
+    pub llama_ngram: Vec<String>,
     /// Runs of every (prompt, mode) pair; medians are over all of them.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -56,10 +61,15 @@ struct Variant {
     select: SelectMode,
     drafter: bool,
     lookup: bool,
+    /// llama.cpp's n-gram drafting of this type instead.
+    llama_ngram: Option<&'static str>,
 }
 
 impl Variant {
     fn name(&self) -> String {
+        if let Some(kind) = self.llama_ngram {
+            return format!("llama {kind}");
+        }
         let mode = serde_json::to_value(self.select).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
         match (self.drafter, self.lookup) {
             (true, true) => format!("{mode}+lookup"),
@@ -72,23 +82,31 @@ impl Variant {
     /// with the drafter and the look-up, and with the look-up alone (paths are all alike
     /// there: `greedy` stands for them; llama.cpp's driver needs the drafter).
     fn all(args: &BenchArgs, has_drafter: bool) -> Vec<Variant> {
-        let plain = Variant { select: SelectMode::None, drafter: false, lookup: false };
+        let plain = Variant { select: SelectMode::None, drafter: false, lookup: false, llama_ngram: None };
         let mut out = vec![plain];
         let modes = args.select.iter().copied().filter(|&m| m != SelectMode::None);
         for m in modes.clone().filter(|_| has_drafter) {
-            out.push(Variant { select: m, drafter: true, lookup: false });
+            out.push(Variant { drafter: true, ..plain.with(m) });
             if args.lookup && m != SelectMode::Upstream {
-                out.push(Variant { select: m, drafter: true, lookup: true });
+                out.push(Variant { drafter: true, lookup: true, ..plain.with(m) });
             }
         }
         if args.lookup {
             for m in [SelectMode::Greedy, SelectMode::Tree] {
                 if modes.clone().any(|x| x == m || (m == SelectMode::Greedy && x == SelectMode::BestPath)) {
-                    out.push(Variant { select: m, drafter: false, lookup: true });
+                    out.push(Variant { lookup: true, ..plain.with(m) });
                 }
             }
         }
+        for kind in &args.llama_ngram {
+            let kind = crate::llama::LLAMA_NGRAM_TYPES.into_iter().find(|k| k == kind).expect("clap checked the name");
+            out.push(Variant { llama_ngram: Some(kind), ..plain.with(SelectMode::Greedy) });
+        }
         out
+    }
+
+    fn with(self, select: SelectMode) -> Variant {
+        Variant { select, ..self }
     }
 }
 
@@ -114,8 +132,8 @@ struct ModeResult {
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        args.models.drafter.is_some() || args.lookup,
-        "bench needs a drafter (-d DRAFTER.gguf) or --lookup"
+        args.models.drafter.is_some() || args.lookup || !args.llama_ngram.is_empty(),
+        "bench needs a drafter (-d DRAFTER.gguf), --lookup or --llama-ngram"
     );
     anyhow::ensure!(
         (1..=crate::draft::lookup::MAX_NGRAM).contains(&args.lookup_ngram),
@@ -156,6 +174,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     tree_budget: args.tree_budget,
                     lookup: mode.lookup,
                     lookup_ngram: args.lookup_ngram,
+                    llama_ngram: mode.llama_ngram,
                     sampling: sampling.clone(),
                     ..Default::default()
                 };

@@ -182,10 +182,10 @@ impl Drafter {
             )));
         }
         if self.upstream.is_none() {
-            self.upstream = Some(UpstreamDrafter::new(target, &self.ctx, self.trained_block - 1, self.n_seqs)?);
+            self.upstream = Some(UpstreamDrafter::dflash(target, &self.ctx, self.trained_block - 1, self.n_seqs)?);
         }
         let driver = self.upstream.as_mut().expect("made above");
-        let drafted = driver.draft(seq, last, pos0, n_max);
+        let drafted = driver.draft(seq, &[], last, pos0, n_max);
         // The driver leaves its block in the cache: only injected features may stay.
         self.ctx.seq_rm(seq, pos0 as i32, -1)?;
         drafted

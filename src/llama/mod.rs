@@ -21,7 +21,7 @@ pub use context::{capture_eval, CacheType, Capture, Context, ContextParams, Feat
 pub use grammar::Grammar;
 pub use model::{apply_llama_template, builtin_chat_templates, quantize, ChatMessage, FimTokens, Model, ModelParams, QUANT_TYPES};
 pub use sampler::{ForeignChain, Terminal};
-pub use upstream::UpstreamDrafter;
+pub use upstream::{UpstreamDrafter, LLAMA_NGRAM_TYPES};
 
 use std::sync::Once;
 
