@@ -137,6 +137,26 @@ fn layer_id_out_of_range() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// Two tokens with one text: llama.cpp aborts the process on such a vocabulary (found by the
+/// `gguf` fuzz target), so the pre-scan refuses it, and `generate` exits with that error.
+#[test]
+fn duplicate_token_texts_are_refused_before_llama_cpp_aborts() {
+    let dir = models("duplicate-token");
+    let mut bytes = std::fs::read(dir.join("target.gguf")).unwrap();
+    // the one-character token "4" (a GGUF string: u64 length 1, then the byte) becomes "5"
+    let four = [1u8, 0, 0, 0, 0, 0, 0, 0, b'4'];
+    let at = bytes.windows(four.len()).position(|w| w == four).expect("the vocabulary has a token \"4\"");
+    assert!(bytes.windows(four.len()).any(|w| w == [1u8, 0, 0, 0, 0, 0, 0, 0, b'5']), "and a token \"5\"");
+    bytes[at + 8] = b'5';
+    let path = dir.join("target-duplicate.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    assert_fails(&inspect(&path, None), &["tokenizer.ggml.tokens", "the same text \"5\"", "llama.cpp would abort"]);
+    let out = dflash2(&[Path::new("generate"), Path::new("-m"), &path, Path::new("-p"), Path::new("hi"), Path::new("-n"), Path::new("2")]);
+    assert_eq!(out.status.code(), Some(1), "an error exit, not an abort: {}", String::from_utf8_lossy(&out.stderr));
+    assert_fails(&out, &["the same text \"5\""]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A mutation search over the header of a real drafter file: random byte flips, lengths and counts
 /// overwritten with extreme values, truncations. The reader and the pairing check must answer
 /// every variant with a value or an error naming the file, and never panic. (Deterministic: a

@@ -11,7 +11,7 @@ pub mod synth;
 pub mod write;
 
 pub use read::{
-    check_pair, check_pair_files, read_gguf, read_model_info, DflashInfo, Gguf, GgufError, ModelInfo, PairCheckError,
+    check_pair, check_pair_files, parse_gguf, read_gguf, read_model_info, DflashInfo, Gguf, GgufError, ModelInfo, PairCheckError,
     PairError, TensorInfo,
 };
 pub use write::GgufWriter;

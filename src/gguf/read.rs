@@ -163,20 +163,43 @@ pub fn read_gguf(path: &Path) -> Result<Gguf, GgufError> {
     if meta.is_dir() {
         return Err(GgufError::NotGguf { path: path.to_path_buf(), detail: "it is a directory".into() });
     }
-    let mut scan = Scanner { r: BufReader::new(file), pos: 0, len: meta.len() };
-    let layout = scan.layout().map_err(|p| p.into_error(path))?;
-    Ok(Gguf {
-        path: path.to_path_buf(),
-        version: layout.version,
-        metadata: layout.kv,
-        tensors: layout.tensors,
-        file_size: meta.len(),
-    })
+    scan(BufReader::new(file), meta.len(), path)
+}
+
+/// [`read_gguf`] of a file's bytes held in memory, named `path` in messages (the fuzz harness
+/// reads mutated headers this way, without a file per input).
+pub fn parse_gguf(bytes: &[u8], path: &Path) -> Result<Gguf, GgufError> {
+    scan(bytes, bytes.len() as u64, path)
+}
+
+fn scan(r: impl Read, len: u64, path: &Path) -> Result<Gguf, GgufError> {
+    let layout = Scanner { r, pos: 0, len }.layout().map_err(|p| p.into_error(path))?;
+    Ok(Gguf { path: path.to_path_buf(), version: layout.version, metadata: layout.kv, tensors: layout.tensors, file_size: len })
 }
 
 /// Reads a model's metadata and extracts what the pairing check and the engine need.
 pub fn read_model_info(path: &Path) -> Result<ModelInfo, GgufError> {
     ModelInfo::from_gguf(&read_gguf(path)?)
+}
+
+/// llama.cpp aborts the whole process (a `GGML_ASSERT` in `llama_vocab::load`) on a vocabulary
+/// where two ids share a text, so that is refused here first. An empty text counts as
+/// `[EMPTY_<id>]`, the name llama.cpp gives it. (Found by the `gguf` fuzz target.)
+fn distinct_token_texts(g: &Gguf, tokens: &[MetaValue]) -> Result<(), GgufError> {
+    const KEY: &str = "tokenizer.ggml.tokens";
+    let mut seen = std::collections::HashMap::with_capacity(tokens.len());
+    for (id, t) in tokens.iter().enumerate() {
+        let text = match t.as_str() {
+            Some("") => std::borrow::Cow::Owned(format!("[EMPTY_{id}]")),
+            Some(s) => std::borrow::Cow::Borrowed(s),
+            None => return Err(g.key_error(KEY, &format!("token {id} is not a string"))),
+        };
+        if let Some(first) = seen.insert(text, id) {
+            let text = t.as_str().unwrap_or_default();
+            return Err(g.key_error(KEY, &format!("tokens {first} and {id} have the same text {text:?} (llama.cpp would abort)")));
+        }
+    }
+    Ok(())
 }
 
 impl ModelInfo {
@@ -190,6 +213,9 @@ impl ModelInfo {
         let n_layer = g.required_u32(&arch_key("block_count"))?;
 
         let tokens = g.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array);
+        if let Some(tokens) = tokens {
+            distinct_token_texts(g, tokens)?;
+        }
         let n_vocab = match tokens {
             Some(t) => t.len() as u32,
             None => match g.optional_u32(&arch_key("vocab_size"))? {
@@ -470,13 +496,13 @@ struct Layout {
     tensors: Vec<TensorInfo>,
 }
 
-struct Scanner {
-    r: BufReader<File>,
+struct Scanner<R> {
+    r: R,
     pos: u64,
     len: u64,
 }
 
-impl Scanner {
+impl<R: Read> Scanner<R> {
     /// Fails with `Truncated` unless `n` more bytes exist.
     fn need(&self, n: u64, what: &dyn Fn() -> String) -> Result<(), Problem> {
         match self.pos.checked_add(n) {
