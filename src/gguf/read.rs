@@ -183,19 +183,20 @@ pub fn read_model_info(path: &Path) -> Result<ModelInfo, GgufError> {
 }
 
 /// llama.cpp aborts the whole process (a `GGML_ASSERT` in `llama_vocab::load`) on a vocabulary
-/// where two ids share a text, so that is refused here first. An empty text counts as
-/// `[EMPTY_<id>]`, the name llama.cpp gives it. (Found by the `gguf` fuzz target.)
+/// where two ids share a text, so that is refused here first. llama.cpp reads each text as a C
+/// string (up to its first NUL byte) and names an empty one `[EMPTY_<id>]`; so does this check.
+/// (Both found by the `gguf` fuzz target.)
 fn distinct_token_texts(g: &Gguf, tokens: &[MetaValue]) -> Result<(), GgufError> {
     const KEY: &str = "tokenizer.ggml.tokens";
     let mut seen = std::collections::HashMap::with_capacity(tokens.len());
     for (id, t) in tokens.iter().enumerate() {
-        let text = match t.as_str() {
+        let text = match t.as_str().map(|s| s.split('\0').next().unwrap_or_default()) {
             Some("") => std::borrow::Cow::Owned(format!("[EMPTY_{id}]")),
             Some(s) => std::borrow::Cow::Borrowed(s),
             None => return Err(g.key_error(KEY, &format!("token {id} is not a string"))),
         };
         if let Some(first) = seen.insert(text, id) {
-            let text = t.as_str().unwrap_or_default();
+            let text = t.as_str().unwrap_or_default().split('\0').next().unwrap_or_default();
             return Err(g.key_error(KEY, &format!("tokens {first} and {id} have the same text {text:?} (llama.cpp would abort)")));
         }
     }
