@@ -182,6 +182,55 @@ pub fn read_model_info(path: &Path) -> Result<ModelInfo, GgufError> {
     ModelInfo::from_gguf(&read_gguf(path)?)
 }
 
+/// llama.cpp's layer bound (`LLAMA_MAX_LAYERS`) and expert bound (`LLAMA_MAX_EXPERTS`).
+const LLAMA_MAX_LAYERS: u32 = 512;
+const LLAMA_MAX_EXPERTS: u32 = 1024;
+
+/// The hyperparameters llama.cpp asserts on while it loads (`llama_model_base::load_hparams`):
+/// an assert aborts the whole process, so each is checked here first and refused by name.
+/// (The layer count was found by the `gguf` fuzz target; the rest sit beside it there.)
+fn llama_hparams_in_range(g: &Gguf, arch_key: &dyn Fn(&str) -> String, n_layer: u32) -> Result<(), GgufError> {
+    let bad = |k: &str, problem: String| Err(g.key_error(&arch_key(k), &format!("{problem} (llama.cpp would abort)")));
+    if !(1..=LLAMA_MAX_LAYERS).contains(&n_layer) {
+        return bad("block_count", format!("{n_layer} layers; llama.cpp takes 1..={LLAMA_MAX_LAYERS}"));
+    }
+    // optional counts, 0 when absent (as llama.cpp reads them); a value of another type is
+    // refused by llama.cpp with an error, not an assert
+    let count = |k: &str| g.get(&arch_key(k)).and_then(MetaValue::as_u32).unwrap_or(0);
+    let nextn = count("nextn_predict_layers");
+    if nextn > n_layer {
+        return bad("nextn_predict_layers", format!("{nextn}, more than the {n_layer} layers"));
+    }
+    let experts = count("expert_count");
+    if experts > LLAMA_MAX_EXPERTS {
+        return bad("expert_count", format!("{experts}; llama.cpp takes at most {LLAMA_MAX_EXPERTS}"));
+    }
+    // one count for every layer, or one per layer (the largest counts)
+    let used = match g.get(&arch_key("expert_used_count")) {
+        Some(MetaValue::Array(_, a)) => a.iter().filter_map(MetaValue::as_u32).max().unwrap_or(0),
+        Some(v) => v.as_u32().unwrap_or(0),
+        None => 0,
+    };
+    let (groups, groups_used) = (count("expert_group_count"), count("expert_group_used_count"));
+    if used > experts || (experts > 0 && used == 0) {
+        return bad("expert_used_count", format!("{used} of {experts} experts"));
+    }
+    let groups_ok = if experts == 0 {
+        groups == 0
+    } else {
+        groups < experts && (groups <= 1 || (experts % groups == 0 && (1..groups).contains(&groups_used)))
+    };
+    if !groups_ok {
+        return bad("expert_group_count", format!("{groups} groups ({groups_used} used) of {experts} experts"));
+    }
+    if let Some(t) = g.get(&arch_key("rope.scaling.type")).and_then(MetaValue::as_str) {
+        if !["none", "linear", "yarn", "longrope"].contains(&t) {
+            return bad("rope.scaling.type", format!("{t:?}; llama.cpp knows none, linear, yarn and longrope"));
+        }
+    }
+    Ok(())
+}
+
 /// llama.cpp aborts the whole process (a `GGML_ASSERT` in `llama_vocab::load`) on a vocabulary
 /// where two ids share a text, so that is refused here first. llama.cpp reads each text as a C
 /// string (up to its first NUL byte) and names an empty one `[EMPTY_<id>]`; so does this check.
@@ -212,6 +261,7 @@ impl ModelInfo {
         let arch_key = |k: &str| format!("{architecture}.{k}");
         let n_embd = g.required_u32(&arch_key("embedding_length"))?;
         let n_layer = g.required_u32(&arch_key("block_count"))?;
+        llama_hparams_in_range(g, &arch_key, n_layer)?;
 
         let tokens = g.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array);
         if let Some(tokens) = tokens {
@@ -721,6 +771,46 @@ mod tests {
         let path = dir.join(name);
         w.write(&path).unwrap();
         read_model_info(&path).unwrap()
+    }
+
+    /// What llama.cpp asserts on while loading (an abort of the process) is refused by name.
+    #[test]
+    fn values_llama_cpp_aborts_on_are_refused_first() {
+        let dir = tmp_dir("aborts");
+        let refused = |edit: &dyn Fn(&mut GgufWriter), needle: &str| {
+            let mut w = tiny("llama");
+            edit(&mut w);
+            let path = dir.join("m.gguf");
+            w.write(&path).unwrap();
+            let e = read_model_info(&path).expect_err(needle).to_string();
+            assert!(e.contains(needle) && e.contains("llama.cpp would abort"), "{needle}: {e}");
+        };
+        refused(&|w| w.set_u32("llama.block_count", 0).unwrap(), "llama.block_count: 0 layers");
+        refused(&|w| w.set_u32("llama.block_count", 513).unwrap(), "llama.block_count: 513 layers");
+        refused(&|w| w.set_u32("llama.nextn_predict_layers", 5).unwrap(), "llama.nextn_predict_layers");
+        refused(&|w| w.set_u32("llama.expert_count", 2000).unwrap(), "llama.expert_count");
+        refused(&|w| w.set_u32("llama.expert_used_count", 2).unwrap(), "llama.expert_used_count: 2 of 0 experts");
+        refused(&|w| w.set_u32("llama.expert_count", 8).unwrap(), "llama.expert_used_count: 0 of 8 experts");
+        refused(
+            &|w| {
+                w.set_u32("llama.expert_count", 8).unwrap();
+                w.set_u32("llama.expert_used_count", 2).unwrap();
+                w.set_u32("llama.expert_group_count", 3).unwrap();
+            },
+            "llama.expert_group_count: 3 groups",
+        );
+        refused(&|w| w.set_str("llama.rope.scaling.type", "spiral").unwrap(), "llama.rope.scaling.type");
+        refused(&|w| w.set("tokenizer.ggml.tokens", MetaValue::str_array(["a", "b", "a", "<m>"])).unwrap(), "tokens 0 and 2");
+        refused(&|w| w.set("tokenizer.ggml.tokens", MetaValue::str_array(["a", "b\0x", "b", "<m>"])).unwrap(), "tokens 1 and 2");
+        // what real models hold passes
+        let mut w = tiny("llama");
+        w.set_u32("llama.expert_count", 8).unwrap();
+        w.set("llama.expert_used_count", MetaValue::i32_array([2, 2, 2, 2])).unwrap();
+        w.set_u32("llama.expert_group_count", 4).unwrap();
+        w.set_u32("llama.expert_group_used_count", 2).unwrap();
+        w.set_str("llama.rope.scaling.type", "yarn").unwrap();
+        w.set("tokenizer.ggml.tokens", MetaValue::str_array(["a", "", "c", "<m>"])).unwrap();
+        info(&w, &dir, "ok.gguf");
     }
 
     #[test]
