@@ -252,6 +252,23 @@ fn distinct_token_texts(g: &Gguf, tokens: &[MetaValue]) -> Result<(), GgufError>
     Ok(())
 }
 
+/// llama.cpp aborts while it loads a WordPiece vocabulary (`tokenizer.ggml.model` "bert") that
+/// has a byte token (type 6): it has no byte form for one. (Found by the `gguf` fuzz target.)
+fn no_byte_tokens_in_wordpiece(g: &Gguf) -> Result<(), GgufError> {
+    const BYTE: i64 = 6;
+    if g.get("tokenizer.ggml.model").and_then(MetaValue::as_str) != Some("bert") {
+        return Ok(());
+    }
+    let types = g.get("tokenizer.ggml.token_type").and_then(MetaValue::as_array).unwrap_or_default();
+    match types.iter().position(|t| t.as_i64() == Some(BYTE)) {
+        Some(id) => Err(g.key_error(
+            "tokenizer.ggml.token_type",
+            &format!("token {id} is a byte token in a WordPiece (\"bert\") vocabulary (llama.cpp would abort)"),
+        )),
+        None => Ok(()),
+    }
+}
+
 impl ModelInfo {
     pub fn from_gguf(g: &Gguf) -> Result<ModelInfo, GgufError> {
         let architecture = match g.get("general.architecture") {
@@ -267,6 +284,7 @@ impl ModelInfo {
         if let Some(tokens) = tokens {
             distinct_token_texts(g, tokens)?;
         }
+        no_byte_tokens_in_wordpiece(g)?;
         let n_vocab = match tokens {
             Some(t) => t.len() as u32,
             None => match g.optional_u32(&arch_key("vocab_size"))? {
@@ -800,6 +818,13 @@ mod tests {
             "llama.expert_group_count: 3 groups",
         );
         refused(&|w| w.set_str("llama.rope.scaling.type", "spiral").unwrap(), "llama.rope.scaling.type");
+        refused(
+            &|w| {
+                w.set_str("tokenizer.ggml.model", "bert").unwrap();
+                w.set("tokenizer.ggml.token_type", MetaValue::i32_array([1, 6, 1, 3])).unwrap();
+            },
+            "token 1 is a byte token",
+        );
         refused(&|w| w.set("tokenizer.ggml.tokens", MetaValue::str_array(["a", "b", "a", "<m>"])).unwrap(), "tokens 0 and 2");
         refused(&|w| w.set("tokenizer.ggml.tokens", MetaValue::str_array(["a", "b\0x", "b", "<m>"])).unwrap(), "tokens 1 and 2");
         // what real models hold passes
