@@ -15,6 +15,9 @@ use crate::llama::Token;
 pub const MAX_NGRAM: usize = 8;
 /// Earlier matches merged into one proposal, the most recent first.
 const MAX_MATCHES: usize = 8;
+/// How far back a match is followed to measure its length (beyond the indexed n-gram): a
+/// long repeat (a quoted function being rewritten) is far likelier to go on than a short one.
+const LONG_MATCH: usize = 16;
 
 /// Every n-gram (n = 1..=MAX_NGRAM) of one sequence, and where each occurred.
 #[derive(Debug, Default)]
@@ -93,7 +96,12 @@ impl NgramIndex {
             if matches.is_empty() {
                 continue;
             }
-            let mut trie = Proposal { match_len: n, n_matches: matches.len(), nodes: Vec::new() };
+            // the whole repeat: how far the earlier occurrence agrees going back from its end
+            let repeat = |e: usize| {
+                (n..LONG_MATCH.min(e)).take_while(|&k| self.tokens[e - k - 1] == self.tokens[len - k - 1]).count() + n
+            };
+            let match_len = matches.iter().map(|&e| repeat(e)).max().unwrap_or(n);
+            let mut trie = Proposal { match_len, n_matches: matches.len(), nodes: Vec::new() };
             for &e in &matches {
                 trie.insert(&self.tokens[e..(e + max_len).min(len)]);
             }
@@ -118,7 +126,8 @@ fn key(gram: &[Token]) -> u64 {
 /// (the most recent match's path first).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Proposal {
-    /// Tokens of the matched suffix.
+    /// Tokens of the longest repeat behind it (at most `LONG_MATCH`): the matched suffix and
+    /// as far before it as an earlier occurrence agrees.
     pub match_len: usize,
     /// Earlier occurrences that contributed a continuation.
     pub n_matches: usize,
@@ -195,9 +204,22 @@ impl Proposal {
 /// acceptance estimate of the next proposals.
 #[derive(Debug, Clone, Default)]
 pub struct Calibration {
-    /// Look-up tokens the target tested (their parent was accepted) and accepted.
-    tested: [u32; MAX_NGRAM + 1],
-    accepted: [u32; MAX_NGRAM + 1],
+    /// Look-up tokens the target tested (their parent was accepted) and accepted, by bucket.
+    tested: [u32; BUCKETS],
+    accepted: [u32; BUCKETS],
+}
+
+/// Match lengths 1-4 each, then 5-7, 8-11 and 12 or more: long repeats are rarer, so they
+/// share their evidence.
+const BUCKETS: usize = 8;
+
+fn bucket(match_len: usize) -> usize {
+    match match_len {
+        0..=4 => match_len,
+        5..=7 => 5,
+        8..=11 => 6,
+        _ => 7,
+    }
 }
 
 /// Pseudo-observations of the prior: it fades after a few cycles.
@@ -207,16 +229,16 @@ impl Calibration {
     /// Chance that the target takes a look-up token whose parent it took, after a match
     /// of `match_len` tokens. Before any evidence: longer matches are likelier.
     pub fn rate(&self, match_len: usize) -> f32 {
-        let n = match_len.min(MAX_NGRAM);
-        let prior = (0.3 + 0.1 * n as f32).min(0.8);
-        let rate = (self.accepted[n] as f32 + PRIOR_WEIGHT * prior) / (self.tested[n] as f32 + PRIOR_WEIGHT);
+        let b = bucket(match_len);
+        let prior = (0.3 + 0.1 * b as f32).min(0.9);
+        let rate = (self.accepted[b] as f32 + PRIOR_WEIGHT * prior) / (self.tested[b] as f32 + PRIOR_WEIGHT);
         rate.min(0.98)
     }
 
     pub fn record(&mut self, match_len: usize, tested: usize, accepted: usize) {
-        let n = match_len.min(MAX_NGRAM);
-        self.tested[n] += tested as u32;
-        self.accepted[n] += accepted as u32;
+        let b = bucket(match_len);
+        self.tested[b] += tested as u32;
+        self.accepted[b] += accepted as u32;
     }
 }
 
@@ -243,9 +265,10 @@ mod tests {
         assert_eq!(p.match_len, 3);
         assert_eq!(p.n_matches, 1);
         assert_eq!(tokens(&p.path(&Calibration::default())), vec![4, 5, 9]);
-        // with at most 2-grams, [2 3] matches twice: 7 (most recent) and 4
+        // with at most 2-grams, [2 3] matches twice: 7 (most recent) and 4; the older
+        // occurrence repeats [1 2 3], so the repeat behind the proposal is 3 long
         let p = ix.propose(2, 2).unwrap();
-        assert_eq!((p.match_len, p.n_matches), (2, 2));
+        assert_eq!((p.match_len, p.n_matches), (3, 2));
         let tree = p.tree(&Calibration::default(), 8);
         assert_eq!(tree.nodes.iter().filter(|n| n.parent.is_none()).count(), 2);
         assert!(tree.nodes.iter().all(|n| n.origin == Origin::Lookup));
@@ -262,7 +285,8 @@ mod tests {
         let cal = Calibration::default();
         let path = p.path(&cal);
         assert_eq!(tokens(&path), vec![6, 7], "6 -> 7 has two of three continuations");
-        let rate = cal.rate(1);
+        assert_eq!(p.match_len, 5, "the sequence ends as it began: [5 6 7 0 5]");
+        let rate = cal.rate(5);
         assert!((path.nodes[0].q - rate).abs() < 1e-6, "all three matches go through 6");
         assert!((path.nodes[1].q - rate * 2.0 / 3.0).abs() < 1e-6);
         let tie = index(&[5, 1, 0, 5, 2, 0, 5]).propose(1, 1).unwrap();
@@ -281,6 +305,20 @@ mod tests {
         assert_eq!(ix.propose(8, 4), index(&[1, 2, 9, 1, 2]).propose(8, 4));
         ix.sync(&[], 4);
         assert_eq!((ix.len(), ix.ends.len()), (1, 1), "only the one 1-gram is left");
+    }
+
+    #[test]
+    fn a_long_repeat_is_measured_beyond_the_indexed_ngram() {
+        let quoted: Vec<Token> = (10..30).collect();
+        // the quote, other text, then the first 13 tokens of the quote again
+        let seq: Vec<Token> = quoted.iter().chain(&[1, 2, 3]).chain(&quoted[..13]).copied().collect();
+        let p = index(&seq).propose(4, 4).unwrap();
+        assert_eq!(p.match_len, 13);
+        assert_eq!(tokens(&p.path(&Calibration::default())), vec![23, 24, 25, 26]);
+        let long: Vec<Token> = quoted.iter().chain(&[1]).chain(&quoted).copied().collect();
+        assert_eq!(index(&long).propose(4, 1).unwrap().match_len, LONG_MATCH, "measured up to LONG_MATCH");
+        let cal = Calibration::default();
+        assert!(cal.rate(13) > cal.rate(4), "a long repeat is likelier to go on before evidence");
     }
 
     #[test]
