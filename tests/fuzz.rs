@@ -1,4 +1,6 @@
-//! Inputs nobody thought of: seeded mutation fuzzing of the parsers of outside bytes. GGUF files
+//! Inputs nobody thought of. First, what coverage-guided fuzzing (`fuzz/`, libFuzzer through
+//! `cargo fuzz`) found and kept: every committed corpus input and crash input replayed through the
+//! fuzz targets' own code (`fuzz/harness.rs`). Then seeded mutation fuzzing of the parsers of outside bytes. GGUF files
 //! (the pre-scan and pairing check in-process; the whole llama.cpp load in a child process for
 //! the mutants the pre-scan lets through), HTTP request bodies against the real server, and the
 //! drafter recipe's inputs: `dataset`'s conversation JSONL and `convert`'s checkpoint (config.json,
@@ -6,12 +8,14 @@
 //! Nothing may panic, abort or hang; every refusal is a clear error. A short run is part of the
 //! suite; `DFLASH2_FUZZ_ITERS=N` (and `DFLASH2_FUZZ_SEED`) runs a longer campaign.
 mod common;
+#[path = "../fuzz/harness.rs"]
+mod harness;
 
 use dflash2::gguf::{check_pair, read_model_info};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -34,6 +38,33 @@ fn models() -> &'static Path {
         dflash2::gguf::synth::synth_all(&dir, 3).unwrap();
         dir
     })
+}
+
+/// The coverage-guided campaigns' corpora (`fuzz/corpus/NAME`, minimised with `cargo fuzz cmin`)
+/// and every input that once broke a promise (`fuzz/regressions/NAME`), through the same code
+/// the fuzzers ran: none may break one now.
+#[test]
+fn committed_fuzz_inputs_keep_every_promise() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let mut broken = Vec::new();
+    for (name, run) in harness::TARGETS {
+        let mut n = 0;
+        for dir in ["corpus", "regressions"] {
+            let Ok(entries) = std::fs::read_dir(root.join(dir).join(name)) else { continue };
+            let mut files: Vec<PathBuf> = entries.map(|e| e.unwrap().path()).collect();
+            files.sort();
+            for file in files {
+                let bytes = std::fs::read(&file).unwrap();
+                if std::panic::catch_unwind(|| run(&bytes)).is_err() {
+                    broken.push(file.display().to_string());
+                }
+                n += 1;
+            }
+        }
+        eprintln!("{name}: {n} committed inputs");
+        assert!(n >= 10, "fuzz/corpus/{name} holds {n} inputs: the campaign's corpus is missing");
+    }
+    assert!(broken.is_empty(), "inputs that break a promise again: {broken:#?}");
 }
 
 /// Integers that break length and count arithmetic.
@@ -299,32 +330,10 @@ fn mutate_config(config: &Value, r: &mut ChaCha8Rng) -> Value {
 
 // ---- HTTP ---------------------------------------------------------------------------------
 
-struct Server {
-    child: std::process::Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_server() -> Server {
-    let mut child = dflash2_cli()
-        .args(["serve", "--port", "0", "-t", "1", "-np", "2", "-n", "8", "--read-timeout", "2", "-m"])
-        .arg(models().join("target.gguf"))
-        .arg("-d")
-        .arg(models().join("drafter-dflash2.gguf"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.trim().strip_prefix("dflash2 listening on http://").expect("a listening line").to_string();
-    Server { child, addr }
+fn start_server() -> common::Server {
+    let (target, drafter) = (models().join("target.gguf"), models().join("drafter-dflash2.gguf"));
+    let (target, drafter) = (target.to_str().unwrap(), drafter.to_str().unwrap());
+    common::Server::spawn("fuzz", &["-t", "1", "-np", "2", "-n", "8", "--read-timeout", "2", "-m", target, "-d", drafter])
 }
 
 /// One request on its own connection: (status, body).
@@ -433,7 +442,7 @@ fn http_bodies_mutated_get_answers_or_openai_errors_and_the_server_keeps_serving
             }
             b
         };
-        let (status, reply) = http(&server.addr, "POST", path, &body);
+        let (status, reply) = http(server.addr(), "POST", path, &body);
         *by_status.entry(status).or_default() += 1;
         let shown = String::from_utf8_lossy(&body);
         assert!(
@@ -450,11 +459,11 @@ fn http_bodies_mutated_get_answers_or_openai_errors_and_the_server_keeps_serving
     eprintln!("statuses: {by_status:?}");
     assert!(by_status.get(&200).copied().unwrap_or(0) > 0 && by_status.get(&400).copied().unwrap_or(0) > 0, "{by_status:?}");
     // Still serving, nothing left behind.
-    let (status, _) = http(&server.addr, "POST", "/v1/completions", br#"{"prompt": "hi", "max_tokens": 2}"#);
+    let (status, _) = http(server.addr(), "POST", "/v1/completions", br#"{"prompt": "hi", "max_tokens": 2}"#);
     assert_eq!(status, 200);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let (_, m) = http(&server.addr, "GET", "/metrics", b"");
+        let (_, m) = http(server.addr(), "GET", "/metrics", b"");
         let m = String::from_utf8_lossy(&m).into_owned();
         let busy = |name: &str| m.lines().any(|l| l.starts_with(name) && !l.ends_with(" 0"));
         if !busy("dflash2_requests_in_flight ") && !busy("dflash2_requests_queued ") {
