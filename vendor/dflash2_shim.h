@@ -39,7 +39,7 @@ const char *      dflash2_capture_error(const dflash2_capture * cap);
 
 /* ---- llama.cpp's own drafting (common/speculative.cpp), as baselines ----
  * Drafting only, by one of llama.cpp's speculative types named as its `--spec-type` names them:
- * "dflash" (the block decode and llama.cpp's greedy lattice walk over ctx_dft; the caller keeps
+ * "draft-dflash" (the block decode and llama.cpp's greedy lattice walk over ctx_dft; the caller keeps
  * the drafter's cache: feature injection, removal of the block's cells) or an n-gram type
  * ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"; ctx_dft NULL),
  * with llama.cpp's default settings for it. NULL for an unknown name or a failure. */

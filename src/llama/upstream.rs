@@ -29,7 +29,7 @@ impl UpstreamDrafter {
     /// next to it): its block decode and greedy lattice walk. The caller manages the
     /// drafter's cache as for its own drafts.
     pub fn dflash(target: &Context, drafter: &Context, n_max: usize, n_seqs: usize) -> Result<Self> {
-        Self::new("dflash", target, Some(drafter), n_max, n_seqs)
+        Self::new("draft-dflash", target, Some(drafter), n_max, n_seqs)
     }
 
     /// llama.cpp's n-gram drafting of type `kind` (one of [`LLAMA_NGRAM_TYPES`]): drafts read
