@@ -262,7 +262,7 @@ fn median_probe(mut runs: Vec<crate::target::Probe>) -> crate::target::Probe {
 fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     use crate::draft::drafter::Drafter;
     use crate::engine::CacheTypes;
-    use crate::llama::{Batch, Context, ContextParams, Model, ModelParams};
+    use crate::llama::{Batch, Context, ContextParams, FeatureSource, Model, ModelParams};
     use std::sync::Arc;
     use std::time::Instant;
     let Some(dflash) = &info.dflash else {
@@ -280,18 +280,9 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         adapt_threads: false,
         ..ContextParams::default()
     };
-    let mut tctx = Context::new(target.clone(), &params, None)?;
     let text = "The quick brown fox jumps over the lazy dog, and the speculative decoder drafts a block. ";
     let mut tokens = target.tokenize(&text.repeat(n / 8 + 1), true, false)?;
     tokens.truncate(n);
-    let mut batch = Batch::tokens(params.n_batch.max(1), 1);
-    for (c, chunk) in tokens.chunks(params.n_batch.max(1)).enumerate() {
-        batch.clear();
-        for (i, &t) in chunk.iter().enumerate() {
-            batch.add_token(t, (c * params.n_batch + i) as i32, &[0], c * params.n_batch + i + 1 == n)?;
-        }
-        tctx.decode(&batch, "costs prefill")?;
-    }
     const RUNS: usize = 30;
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -306,15 +297,41 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         }
         Ok(median(ms))
     };
-    let step = timed(&mut || {
-        batch.clear();
-        batch.add_token(tokens[n - 1], n as i32, &[0], true)?;
-        tctx.decode(&batch, "costs step")?;
-        tctx.seq_rm(0, n as i32, -1)
-    })?;
+    // The target as plain decoding runs it, and as the engine runs it beside this drafter (its
+    // layer inputs extracted at every decode): a single step and a verify of 8 rows each.
+    let with_features =
+        ContextParams { features: FeatureSource::auto(&target.architecture(), drafter.target_layer_ids()), ..params.clone() };
+    let mut target_costs = Vec::new();
+    let mut contexts = Vec::new();
+    for p in [&params, &with_features] {
+        let mut ctx = Context::new(target.clone(), p, None)?;
+        let mut batch = Batch::tokens(p.n_batch.max(1), 1);
+        for (c, chunk) in tokens.chunks(p.n_batch.max(1)).enumerate() {
+            batch.clear();
+            for (i, &t) in chunk.iter().enumerate() {
+                batch.add_token(t, (c * p.n_batch + i) as i32, &[0], c * p.n_batch + i + 1 == n)?;
+            }
+            ctx.decode(&batch, "costs prefill")?;
+        }
+        let mut rows_ms = Vec::new();
+        for rows in [1usize, 8] {
+            rows_ms.push(timed(&mut || {
+                batch.clear();
+                for i in 0..rows {
+                    batch.add_token(tokens[n - 1], (n + i) as i32, &[0], true)?;
+                }
+                ctx.decode(&batch, "costs verify")?;
+                ctx.seq_rm(0, n as i32, -1)
+            })?);
+        }
+        target_costs.push(rows_ms);
+        contexts.push(ctx);
+    }
+    let step = target_costs[0][0];
+    let tctx = &contexts[0];
 
     let caches = CacheTypes::default();
-    let mut d = Drafter::new(drafter, &tctx, 1, args.threads, caches.draft_k, caches.draft_v)?;
+    let mut d = Drafter::new(drafter, tctx, 1, args.threads, caches.draft_k, caches.draft_v)?;
     let w = d.feature_width();
     // any values: the drafter's cost does not depend on them (its norms take out the scale)
     let rows: Vec<f32> = (0..w * (n + 8)).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
@@ -339,13 +356,21 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         };
         let out = serde_json::json!({ "target": target_path, "drafter": args.file, "context": n, "threads": args.threads,
             "system_info": crate::llama::system_info(), "target_step_ms": step,
+            "target_verify8_ms": target_costs[0][1], "target_with_features_ms": { "step": target_costs[1][0], "verify8": target_costs[1][1] },
             "inject": rows(&inject), "draft": rows(&draft) });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!("{} drafting for {}, {n} tokens of context, {} threads, medians of {RUNS}",
         args.file.display(), target_path.display(), args.threads);
-    println!("target single step: {step:.2} ms");
+    println!("target single step: {step:.2} ms, verify of 8 rows: {:.2} ms", target_costs[0][1]);
+    println!(
+        "with the drafter's feature extraction: single step {:.2} ms ({:+.1}%), verify of 8 rows {:.2} ms ({:+.1}%)",
+        target_costs[1][0],
+        (target_costs[1][0] / step - 1.0) * 100.0,
+        target_costs[1][1],
+        (target_costs[1][1] / target_costs[0][1] - 1.0) * 100.0
+    );
     println!("{:<22} {:>5} {:>9} {:>13}", "drafter", "rows", "ms", "x target step");
     for (k, ms) in &inject {
         println!("{:<22} {k:>5} {ms:>9.2} {:>13.2}", "feature injection", ms / step);
