@@ -668,15 +668,20 @@ impl Engine {
         self.cost.record_verify(self.batch.len(), verify_ms);
 
         let mut out = vec![Vec::new(); runs.len()];
-        let mut committed_total = 0;
+        // Tokens this cycle owes to the drafter call, for the cost model's verdict on it.
+        let mut drafter_credited = 0;
         let mut drafted_any = false;
         for p in &plans {
             let t = Instant::now();
             let run = &mut *runs[p.run];
             let verify_before = run.stats.verify_ms;
+            let lookup_before = run.stats.from_lookup.accepted;
             let (committed, probs) = self.accept_and_commit(p, run)?;
             let redecode_ms = run.stats.verify_ms - verify_before;
-            committed_total += committed.len();
+            // The look-up's tokens would have been taken without the drafter call: a
+            // drafter whose cycles pay only through them is not paying.
+            let from_lookup = if p.lattice.is_some() { run.stats.from_lookup.accepted - lookup_before } else { 0 };
+            drafter_credited += committed.len().saturating_sub(from_lookup);
             // A draft that was not worth verifying still cost a drafter call.
             drafted_any |= p.lattice.is_some();
             let s = &mut run.stats;
@@ -696,7 +701,7 @@ impl Engine {
             out[p.run] = run.out.tokens[before..].to_vec();
         }
         if drafted_any {
-            self.cost.record_cycle(committed_total, plans.len(), ms_since(t0));
+            self.cost.record_cycle(drafter_credited, plans.len(), ms_since(t0));
         }
         Ok(out)
     }

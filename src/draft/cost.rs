@@ -48,6 +48,9 @@ pub struct CostModel {
     /// Realised speed of speculative cycles relative to plain decoding of the same
     /// number of sequences (above 1: drafting pays).
     spec_gain: Ema,
+    /// Time a speculative cycle took beyond what plain steps would have taken for the
+    /// tokens it committed (its drafter call plus the verify of rows it lost), lately.
+    cycle_loss_ms: Ema,
     /// Plain steps left before the next probe, and the current interval.
     plain_left: usize,
     probe_interval: usize,
@@ -163,6 +166,7 @@ impl CostModel {
         if let Some(plain) = self.verify_cost(n_seqs) {
             let plain_rate = n_seqs as f64 / plain;
             self.spec_gain.add(tokens as f64 / ms.max(1e-3) / plain_rate);
+            self.cycle_loss_ms.add((ms - tokens as f64 / plain_rate).max(0.0));
         }
     }
 
@@ -180,9 +184,14 @@ impl CostModel {
             return false;
         }
         // Probe now, and wait longer before the next probe if this one fails too, until
-        // probes cost at most PROBE_BUDGET of the plain steps between them.
-        let budget_interval = match (self.draft_ms.get(), self.verify_cost(1)) {
-            (Some(draft), Some(plain)) => (draft / (plain * PROBE_BUDGET)).ceil() as usize,
+        // probes cost at most PROBE_BUDGET of the plain steps between them. A failed probe
+        // costs its drafter call and the verify of the rows it lost: the cycles' measured loss.
+        let probe_cost = match (self.cycle_loss_ms.get(), self.draft_ms.get()) {
+            (Some(loss), Some(draft)) => Some(loss.max(draft)),
+            (loss, draft) => loss.or(draft),
+        };
+        let budget_interval = match (probe_cost, self.verify_cost(1)) {
+            (Some(cost), Some(plain)) => (cost / (plain * PROBE_BUDGET)).ceil() as usize,
             _ => 0,
         };
         self.probe_interval = (self.probe_interval * 2).clamp(4, MAX_PROBE_INTERVAL.max(budget_interval));
@@ -270,6 +279,19 @@ mod tests {
         let probes = (0..3000).filter(|_| m.should_draft()).count();
         // Probe intervals grow to 10 / (1 * 0.02) = 500 steps.
         assert!(probes <= 14, "{probes} probes in 3000 steps");
+    }
+
+    #[test]
+    fn a_probe_that_loses_its_verify_too_is_counted_whole() {
+        // A cheap drafter call (a fifth of a step) whose drafts are rejected after a verify
+        // of several rows: each probe cycle commits 1 token in 3 steps' time.
+        let mut m = model(&[(1, 10.0)]);
+        m.record_draft(2.0);
+        m.record_cycle(1, 1, 30.0);
+        let probes = (0..3000).filter(|_| m.should_draft()).count();
+        // Each probe loses 20 ms = 2 steps: intervals grow to 2 / 0.02 = 100 steps, not the
+        // 64 (at least) that the drafter call alone would give.
+        assert!((30..=36).contains(&probes), "{probes} probes in 3000 steps");
     }
 
     #[test]
