@@ -119,8 +119,8 @@ typedef struct dflash2_sampling {
  * f16 for the target and q8_0 for the drafter (the CLI's -ctk/-ctv/-ctkd/-ctvd defaults). */
 typedef struct dflash2_engine_params {
     const char *target_path;  /* target GGUF (required) */
-    const char *drafter_path; /* DFlash / DFlash 2 drafter GGUF; NULL: plain decoding whatever `select`
-                                 says, or look-up drafting alone when lookup_ngram > 0 */
+    const char *drafter_path; /* DFlash / DFlash 2 drafter GGUF; NULL: look-up drafting alone when
+                                 lookup_ngram > 0 (the default), else plain decoding */
     uint32_t n_ctx;           /* context size in tokens (>= 2); default 4096 */
     int32_t n_threads;        /* CPU threads (>= 1); default: available cores, at most 16 */
     int32_t n_gpu_layers;     /* layers offloaded to a GPU (>= 0; GPU builds only); default 999 (all) */
@@ -130,8 +130,8 @@ typedef struct dflash2_engine_params {
     uint32_t tree_budget;     /* node budget of a token tree (>= 1); default 32 */
     dflash2_sampling sampling;
     uint32_t lookup_ngram;    /* context look-up drafting (what followed earlier occurrences of the
-                                 context's last tokens; with or without a drafter): 0 (default) = off,
-                                 else 1..8 = the longest suffix it matches (4 is a good start) */
+                                 context's last tokens; with or without a drafter): 0 = off, else
+                                 1..8 = the longest suffix it matches; default 4 (on, as the CLI) */
 } dflash2_engine_params;
 
 /* One chat turn: NUL-terminated UTF-8 role ("system", "user", "assistant") and content. */

@@ -71,26 +71,31 @@ fn a_drafter_for_another_target_is_refused_before_loading() {
 }
 
 #[test]
-fn speculative_modes_need_a_drafter_and_plain_is_the_default_without_one() {
+fn the_look_up_drafts_by_default_and_plain_decoding_is_one_flag_away() {
     let target = path("target.gguf");
-    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--select", "greedy"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a drafter (-d DRAFTER.gguf) or --lookup"));
-    // The look-up drafts without a drafter; llama.cpp's driver cannot; the n-gram has bounds.
-    let out = dflash2(&["generate", "-m", &target, "-p", "a b a b a b", "-n", "8", "--lookup", "--json"]);
+    // Without a drafter and without --select, the look-up drafts from the context (the default).
+    let out = dflash2(&["generate", "-m", &target, "-p", "a b a b a b", "-n", "8", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!((json["select"].as_str(), json["lookup"].as_u64()), (Some("greedy"), Some(4)), "{json}");
     assert!(json["from_lookup"]["drafted"].is_u64() && json["from_drafter"]["drafted"] == 0, "{json}");
-    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--lookup", "--select", "upstream"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--select upstream needs a drafter"));
-    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--lookup", "--lookup-ngram", "9"]);
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--lookup-ngram"));
-    // Without --select and without a drafter, decoding is plain, as in llama.cpp.
-    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "-n", "4", "--json"]);
+    // --no-lookup without a drafter: plain decoding, as in llama.cpp, and drafting modes are refused
+    // naming what they need; the last of --lookup / --no-lookup wins.
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "-n", "4", "--no-lookup", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(json["select"], "none");
+    assert_eq!((json["select"].as_str(), json["lookup"].is_null()), (Some("none"), true), "{json}");
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--select", "greedy", "--lookup", "--no-lookup"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a drafter (-d DRAFTER.gguf) or the look-up (not --no-lookup)"));
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "-n", "4", "--no-lookup", "--lookup", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["select"], "greedy", "{json}");
+    // llama.cpp's driver cannot draft without a drafter; the n-gram has bounds.
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--select", "upstream"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--select upstream needs a drafter"));
+    let out = dflash2(&["generate", "-m", &target, "-p", "hi", "--lookup-ngram", "9"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--lookup-ngram"));
 }
 
 #[test]

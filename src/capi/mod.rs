@@ -471,7 +471,7 @@ pub unsafe extern "C" fn dflash2_engine_params_init(params: *mut CEngineParams) 
                 repeat_last_n: s.repeat_last_n,
                 seed: s.seed,
             },
-            lookup_ngram: 0,
+            lookup_ngram: crate::engine::DEFAULT_LOOKUP_NGRAM as u32,
         };
         Ok(())
     })

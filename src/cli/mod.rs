@@ -380,10 +380,14 @@ pub struct DraftArgs {
     #[arg(long, default_value_t = 32)]
     pub tree_budget: usize,
     /// Also draft from the context: what followed earlier occurrences of its last tokens
-    /// (prompt and output). Works beside a drafter or alone (no -d): cheap speculation
-    /// for editing work that repeats the prompt.
-    #[arg(long)]
-    pub lookup: bool,
+    /// (prompt and output), beside a drafter or alone (no -d): cheap speculation for
+    /// editing work that repeats the prompt. On by default (where nothing repeats it costs
+    /// within noise, BENCHMARKS.md); the flag is kept for scripts that name it.
+    #[arg(long, overrides_with = "no_lookup")]
+    lookup: bool,
+    /// Turn context look-up drafting off (plain decoding without -d).
+    #[arg(long, overrides_with = "lookup")]
+    no_lookup: bool,
     /// Longest suffix the look-up matches, in tokens.
     #[arg(long, default_value_t = crate::engine::DEFAULT_LOOKUP_NGRAM,
           value_parser = clap::builder::TypedValueParser::map(
@@ -392,11 +396,16 @@ pub struct DraftArgs {
 }
 
 impl DraftArgs {
+    /// Whether cycles draft from the context (`--lookup`, the default; `--no-lookup`).
+    pub fn lookup(&self) -> bool {
+        self.lookup || !self.no_lookup
+    }
+
     /// The selection mode given whether a drafter was named: a mode that drafts needs one,
     /// or the look-up (which drafts paths and trees, not llama.cpp's driver's blocks).
     pub fn select(&self, has_drafter: bool) -> anyhow::Result<crate::engine::SelectMode> {
         use crate::engine::SelectMode;
-        match (self.select, has_drafter || self.lookup) {
+        match (self.select, has_drafter || self.lookup()) {
             (None, true) => Ok(SelectMode::Greedy),
             (None, false) | (Some(SelectMode::None), _) => Ok(SelectMode::None),
             (Some(SelectMode::Upstream), _) if !has_drafter => {
@@ -404,7 +413,7 @@ impl DraftArgs {
             }
             (Some(s), true) => Ok(s),
             (Some(s), false) => {
-                anyhow::bail!("--select {s:?} needs a drafter (-d DRAFTER.gguf) or --lookup, or use --select none")
+                anyhow::bail!("--select {s:?} needs a drafter (-d DRAFTER.gguf) or the look-up (not --no-lookup), or use --select none")
             }
         }
     }
@@ -462,7 +471,7 @@ impl EngineArgs {
             block,
             adaptive,
             tree_budget: self.draft.tree_budget,
-            lookup: self.draft.lookup,
+            lookup: self.draft.lookup(),
             lookup_ngram: self.draft.lookup_ngram,
             stop,
             sampling: self.sampling.params(),

@@ -141,7 +141,7 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
             block,
             adaptive,
             tree_budget: args.draft.tree_budget,
-            lookup: args.draft.lookup,
+            lookup: args.draft.lookup(),
             lookup_ngram: args.draft.lookup_ngram,
             sampling: args.sampling.params(),
             n_predict: usize::try_from(args.n_predict).ok(),
