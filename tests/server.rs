@@ -262,7 +262,7 @@ fn concurrent_streams_are_lossless_and_leave_no_slot_busy() {
     let d = drafter();
     // Four slots, eight clients: half the requests wait in the queue at first.
     let spec = Server::start("load-spec", &["-d", &d, "--parallel", "4", "--queue", "16", "--block", "4"]);
-    let plain = Server::start("load-plain", &["--parallel", "1"]);
+    let plain = Server::start("load-plain", &["--parallel", "1", "--no-lookup"]);
     let requests: Vec<Value> = (0..40)
         .map(|i| {
             json!({
@@ -657,7 +657,7 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
 
 /// Look-up drafting on a server without a drafter (`--lookup`, a fixed block so that every match
 /// is verified): it drafts from the context (the prompt repeats itself), a request can turn it
-/// off, and the answer is plain decoding's either way.
+/// off, and the answer is plain decoding's either way; under `--select none` only on request.
 #[test]
 fn lookup_drafts_from_the_context_and_keeps_the_answer() {
     let server = Server::start("lookup", &["--lookup", "--block", "4"]);
@@ -667,6 +667,16 @@ fn lookup_drafts_from_the_context_and_keeps_the_answer() {
     assert_eq!(lookup["content"], plain["content"], "look-up changed the answer");
     assert_eq!(plain["timings"]["draft_n"], 0, "{plain}");
     assert!(lookup["timings"]["draft_n"].as_u64().unwrap() > 0, "the look-up drafted nothing: {lookup}");
+    drop(server);
+
+    // `--select none` decodes plainly although the look-up is on by default; a request may still ask
+    // for it.
+    let none = Server::start("lookup-select-none", &["--select", "none", "--block", "4"]);
+    let by_default = none.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40 }));
+    let asked = none.post_ok("/completion", json!({ "prompt": repeat, "n_predict": 40, "lookup": true }));
+    assert_eq!(by_default["timings"]["draft_n"], 0, "--select none drafted: {by_default}");
+    assert!(asked["timings"]["draft_n"].as_u64().unwrap() > 0, "a request's lookup was ignored: {asked}");
+    assert_eq!((&by_default["content"], &asked["content"]), (&plain["content"], &plain["content"]));
 }
 
 /// Chat prompts are the Jinja template's rendering (`--chat-template-file` here; the GGUF's own by
@@ -842,7 +852,7 @@ fn prompts_over_max_prompt_tokens_are_refused_as_over_a_context_of_that_size() {
 fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
     let d = drafter();
     let spec = Server::start("fields-spec", &["-d", &d, "--block", "4"]);
-    let plain = Server::start("fields-plain", &[]);
+    let plain = Server::start("fields-plain", &["--no-lookup"]);
     let ask = |server: &Server, extra: Value| {
         let mut body = json!({ "prompt": "Once upon a time", "n_predict": 24, "return_tokens": true });
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
@@ -1193,7 +1203,7 @@ fn tool_calls_come_back_in_openai_shape_on_real_models() {
 fn logprobs_equal_plain_decoding_in_every_shape() {
     let d = drafter();
     let spec = Server::start("logprobs-spec", &["-d", &d, "--block", "4"]);
-    let plain = Server::start("logprobs-plain", &[]);
+    let plain = Server::start("logprobs-plain", &["--no-lookup"]);
     let both = |path: &str, body: Value| (plain.post_ok(path, body.clone()), spec.post_ok(path, body));
 
     let (a, b) = both("/completion", json!({ "prompt": "Once upon a time", "n_predict": 16, "n_probs": 3, "return_tokens": true }));

@@ -141,7 +141,9 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
             block,
             adaptive,
             tree_budget: args.draft.tree_budget,
-            lookup: args.draft.lookup(),
+            // `--select none` is plain decoding: there the look-up drafts only for a request that
+            // asks for it (`"lookup": true`).
+            lookup: args.draft.lookup() && select != crate::engine::SelectMode::None,
             lookup_ngram: args.draft.lookup_ngram,
             sampling: args.sampling.params(),
             n_predict: usize::try_from(args.n_predict).ok(),
