@@ -12,6 +12,8 @@ mod common;
 mod harness;
 
 use dflash2::gguf::{check_pair, read_model_info};
+// the synthetic models: the ones the replayed fuzz targets use, written once per process
+use harness::models;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
@@ -19,7 +21,6 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 fn iters(default: usize) -> usize {
@@ -29,15 +30,6 @@ fn iters(default: usize) -> usize {
 fn rng(salt: u64) -> ChaCha8Rng {
     let seed: u64 = std::env::var("DFLASH2_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     ChaCha8Rng::seed_from_u64(seed ^ salt)
-}
-
-fn models() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = common::scratch_dir("fuzz-synth");
-        dflash2::gguf::synth::synth_all(&dir, 3).unwrap();
-        dir
-    })
 }
 
 /// The coverage-guided campaigns' corpora (`fuzz/corpus/NAME`, minimised with `cargo fuzz cmin`)

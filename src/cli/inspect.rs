@@ -298,12 +298,9 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         Ok(median(ms))
     };
     // The target as plain decoding runs it, and as the engine runs it beside this drafter (its
-    // layer inputs extracted at every decode): a single step and a verify of 8 rows each.
-    let with_features =
-        ContextParams { features: FeatureSource::auto(&target.architecture(), drafter.target_layer_ids()), ..params.clone() };
-    let mut target_costs = Vec::new();
-    let mut contexts = Vec::new();
-    for p in [&params, &with_features] {
+    // layer inputs extracted at every decode): after the prefill, a single step and a verify of
+    // 8 rows, in ms.
+    let time_target = |p: &ContextParams| -> Result<(Context, [f64; 2])> {
         let mut ctx = Context::new(target.clone(), p, None)?;
         let mut batch = Batch::tokens(p.n_batch.max(1), 1);
         for (c, chunk) in tokens.chunks(p.n_batch.max(1)).enumerate() {
@@ -313,25 +310,26 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
             }
             ctx.decode(&batch, "costs prefill")?;
         }
-        let mut rows_ms = Vec::new();
-        for rows in [1usize, 8] {
-            rows_ms.push(timed(&mut || {
+        let mut verify = |rows: usize| {
+            timed(&mut || {
                 batch.clear();
                 for i in 0..rows {
                     batch.add_token(tokens[n - 1], (n + i) as i32, &[0], true)?;
                 }
                 ctx.decode(&batch, "costs verify")?;
                 ctx.seq_rm(0, n as i32, -1)
-            })?);
-        }
-        target_costs.push(rows_ms);
-        contexts.push(ctx);
-    }
-    let step = target_costs[0][0];
-    let tctx = &contexts[0];
+            })
+        };
+        let ms = [verify(1)?, verify(8)?];
+        Ok((ctx, ms))
+    };
+    let with_features =
+        ContextParams { features: FeatureSource::auto(&target.architecture(), drafter.target_layer_ids()), ..params.clone() };
+    let (tctx, [step, verify8]) = time_target(&params)?;
+    let (_, [step_f, verify8_f]) = time_target(&with_features)?;
 
     let caches = CacheTypes::default();
-    let mut d = Drafter::new(drafter, tctx, 1, args.threads, caches.draft_k, caches.draft_v)?;
+    let mut d = Drafter::new(drafter, &tctx, 1, args.threads, caches.draft_k, caches.draft_v)?;
     let w = d.feature_width();
     // any values: the drafter's cost does not depend on them (its norms take out the scale)
     let rows: Vec<f32> = (0..w * (n + 8)).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
@@ -356,20 +354,18 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         };
         let out = serde_json::json!({ "target": target_path, "drafter": args.file, "context": n, "threads": args.threads,
             "system_info": crate::llama::system_info(), "target_step_ms": step,
-            "target_verify8_ms": target_costs[0][1], "target_with_features_ms": { "step": target_costs[1][0], "verify8": target_costs[1][1] },
+            "target_verify8_ms": verify8, "target_with_features_ms": { "step": step_f, "verify8": verify8_f },
             "inject": rows(&inject), "draft": rows(&draft) });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!("{} drafting for {}, {n} tokens of context, {} threads, medians of {RUNS}",
         args.file.display(), target_path.display(), args.threads);
-    println!("target single step: {step:.2} ms, verify of 8 rows: {:.2} ms", target_costs[0][1]);
+    println!("target single step: {step:.2} ms, verify of 8 rows: {verify8:.2} ms");
     println!(
-        "with the drafter's feature extraction: single step {:.2} ms ({:+.1}%), verify of 8 rows {:.2} ms ({:+.1}%)",
-        target_costs[1][0],
-        (target_costs[1][0] / step - 1.0) * 100.0,
-        target_costs[1][1],
-        (target_costs[1][1] / target_costs[0][1] - 1.0) * 100.0
+        "with the drafter's feature extraction: single step {step_f:.2} ms ({:+.1}%), verify of 8 rows {verify8_f:.2} ms ({:+.1}%)",
+        (step_f / step - 1.0) * 100.0,
+        (verify8_f / verify8 - 1.0) * 100.0
     );
     println!("{:<22} {:>5} {:>9} {:>13}", "drafter", "rows", "ms", "x target step");
     for (k, ms) in &inject {
