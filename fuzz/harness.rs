@@ -187,12 +187,13 @@ pub fn http(data: &[u8]) {
 /// A conversation JSONL file, as `dflash2 dataset` reads it: each line is refused with a reason
 /// or tokenized and read off the target.
 pub fn conversations(data: &[u8]) {
-    use dflash2::dataset::{Conversation, Extractor};
+    use dflash2::dataset::{Conversation, Extractor, ExtractorParams};
     static EX: OnceLock<Mutex<Extractor>> = OnceLock::new();
     let ex = EX.get_or_init(|| {
         let target = std::sync::Arc::new(dflash2::llama::Model::load(&target(), &Default::default()).expect("the synthetic target loads"));
         let template = dflash2::template::TemplateChoice::Given("chatml".into());
-        Mutex::new(Extractor::new(target, 0, vec![1, 2], 256, 1, 4, template).expect("an extractor on the synthetic target"))
+        let params = ExtractorParams { mask_token: 0, layers: vec![1, 2], max_len: 256, n_threads: 1, soft_k: 4, template, flash_attn: false };
+        Mutex::new(Extractor::new(target, params).expect("an extractor on the synthetic target"))
     });
     let mut ex = ex.lock().unwrap_or_else(|p| p.into_inner());
     let mut out = ex.dataset();

@@ -75,20 +75,30 @@ pub struct Extractor {
     compiled: std::sync::OnceLock<ChatTemplate>,
 }
 
+/// How an [`Extractor`] reads: what `dflash2 dataset`'s flags set.
+#[derive(Debug, Clone)]
+pub struct ExtractorParams {
+    /// The token the drafter's blocks will be filled with (see
+    /// [`crate::gguf::synth::mask_token`]), recorded for the training script.
+    pub mask_token: u32,
+    /// Target layer inputs to capture, as llama.cpp counts them.
+    pub layers: Vec<i32>,
+    /// Longest conversation kept, in tokens.
+    pub max_len: usize,
+    pub n_threads: i32,
+    /// How many of the target's most likely next tokens to keep per position, with their
+    /// log-probabilities (soft labels for distillation; 0 keeps only the greedy label).
+    pub soft_k: usize,
+    pub template: TemplateChoice,
+    /// Read with llama.cpp's flash attention: about twice as fast on long rows, rounded
+    /// differently from the engine's target (see [`ContextParams::flash_attn`]). Off, the
+    /// target runs as the engine runs it and features match inference bit for bit.
+    pub flash_attn: bool,
+}
+
 impl Extractor {
-    /// `mask_token`: the token the drafter's blocks will be filled with (see
-    /// [`crate::gguf::synth::mask_token`]), recorded for the training script. `soft_k`: how many
-    /// of the target's most likely next tokens to keep per position, with their log-probabilities
-    /// (soft labels for distillation; 0 keeps only the greedy label).
-    pub fn new(
-        target: Arc<Model>,
-        mask_token: u32,
-        layers: Vec<i32>,
-        max_len: usize,
-        n_threads: i32,
-        soft_k: usize,
-        template: TemplateChoice,
-    ) -> Result<Self> {
+    pub fn new(target: Arc<Model>, p: ExtractorParams) -> Result<Self> {
+        let ExtractorParams { mask_token, layers, max_len, n_threads, soft_k, template, flash_attn } = p;
         let n_layer = target.n_layer() as i32;
         if let Some(&bad) = layers.iter().find(|&&l| l < 1 || l >= n_layer) {
             bail!("layer {bad}: the target has layers 0..{n_layer}; feature layers are layer inputs 1..{}", n_layer - 1);
@@ -98,8 +108,7 @@ impl Extractor {
             n_batch: 512.min(max_len),
             n_threads,
             features: FeatureSource::auto(&target.architecture(), layers),
-            // the defaults run it as the engine runs the target (no flash attention, f16
-            // caches): features must match inference bit for bit
+            flash_attn,
             ..ContextParams::default()
         };
         let ctx = Context::new(target.clone(), &params, None)?;

@@ -174,15 +174,26 @@ fn compare_with_reference(target: &Path, trained: &Trained, data: &Path, dir: &P
     );
 }
 
+/// A dataset's integer tensors (tokens, labels, soft-label ids) by name.
+fn read_i32s(data: &Path) -> std::collections::HashMap<String, Vec<i32>> {
+    let bytes = std::fs::read(data).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    ["tokens", "next", "topk_ids"]
+        .iter()
+        .map(|&name| {
+            let t = st.tensor(name).unwrap();
+            (name.to_string(), t.data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect())
+        })
+        .collect()
+}
+
 /// The dataset's soft labels: per token the target's `k` most likely next tokens, the first one
 /// the greedy label, with log-probabilities that fall from one to the next and sum below 1.
 fn check_soft_labels(data: &Path, k: usize) {
     let bytes = std::fs::read(data).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let i32s = |name: &str| -> Vec<i32> {
-        st.tensor(name).unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect()
-    };
-    let (next, ids) = (i32s("next"), i32s("topk_ids"));
+    let mut ints = read_i32s(data);
+    let (next, ids) = (ints.remove("next").unwrap(), ints.remove("topk_ids").unwrap());
     assert_eq!(st.tensor("topk_ids").unwrap().shape(), [next.len(), k]);
     assert_eq!(st.tensor("topk_logprobs").unwrap().shape(), [next.len(), k]);
     let lp: Vec<f32> = st.tensor("topk_logprobs").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
@@ -206,6 +217,17 @@ fn dataset_train_convert_and_run_a_drafter_on_the_synthetic_target() {
     let log = run(dflash2().args(["dataset", "-m"]).arg(&target).arg("--conversations").arg(&conv).arg("--out").arg(&data).args(["--layers", "1,2", "-t", "2"]));
     assert!(log.contains("28 conversations"), "{log}");
     check_soft_labels(&data, 8);
+
+    // read with flash attention (faster on long rows): the same tokens, labels equal up to
+    // near-ties of the random target's flat laws, valid soft labels
+    let fa = dir.join("dataset-fa.safetensors");
+    let log = run(dflash2().args(["dataset", "-m"]).arg(&target).arg("--conversations").arg(&conv).arg("--out").arg(&fa).args(["--layers", "1,2", "-t", "2", "--flash-attn"]));
+    assert!(log.contains("28 conversations"), "{log}");
+    check_soft_labels(&fa, 8);
+    let (exact, fast) = (read_i32s(&data), read_i32s(&fa));
+    assert_eq!(exact["tokens"], fast["tokens"]);
+    let same = exact["next"].iter().zip(&fast["next"]).filter(|(a, b)| a == b).count();
+    assert!(same as f64 >= 0.9 * exact["next"].len() as f64, "labels with flash attention: {same} of {} equal", exact["next"].len());
 
     // the PyTorch copy of the target (what a GPU machine without llama.cpp decodes and reads
     // features with) computes what llama.cpp computes, up to llama.cpp's rounding of activations
@@ -277,4 +299,22 @@ fn convert_rejects_a_checkpoint_that_does_not_fit_the_target() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("target_layer_ids") && err.contains("3-layer"), "{err}");
     assert!(!dir.join("x.gguf").exists(), "a failed conversion must not leave a file");
+}
+
+#[test]
+fn the_campaign_learning_curve_is_drawn_from_its_csv() {
+    let dir = common::scratch_dir("campaign-curve");
+    let csv = Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/train/curves/campaign.csv");
+    let (png, svg) = (dir.join("curve.png"), dir.join("curve.svg"));
+    let _ = std::fs::remove_file(&png);
+    run(Command::new(python()).arg(script("curve.py")).arg("--campaign").arg(&csv).arg("--png").arg(&png).arg("--svg").arg(&svg));
+    let bytes = std::fs::read(&png).unwrap();
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n") && bytes.len() > 10_000, "not a drawn PNG ({} bytes)", bytes.len());
+    // one line per series of the CSV: (block, prompt set, mode)
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let series: std::collections::BTreeSet<Vec<&str>> =
+        text.lines().skip(1).map(|l| l.split(',').collect::<Vec<_>>()).map(|c| vec![c[2], c[3], c[4]]).collect();
+    let drawn = std::fs::read_to_string(&svg).unwrap().matches("<polyline").count();
+    assert_eq!(drawn, series.len(), "series {series:?}");
+    assert!(series.iter().any(|s| s[2] == "4") && series.iter().any(|s| s[2] == "16"), "block 4 and block 16 both: {series:?}");
 }
