@@ -7,9 +7,11 @@ library needed).
         --csv curves.csv --svg curves.svg
 
 The campaign's curve: tau on the held-apart prompts against labelled training tokens, one point
-per shipped or candidate drafter, from a hand-kept CSV (drafter,labelled_tokens,series,tau):
+per shipped or candidate drafter, from a hand-kept CSV (drafter,labelled_tokens,prompts,mode,block,tau),
+as SVG (no plotting library) and as PNG (matplotlib, in the training requirements):
 
-    python3 gguf-drafters/train/curve.py --campaign curves/campaign.csv --svg curves/campaign.svg
+    python3 gguf-drafters/train/curve.py --campaign curves/campaign.csv --svg curves/campaign.svg \
+        --png ../learning-curve.png
 """
 import argparse
 import re
@@ -66,14 +68,46 @@ def svg(runs, path, width=640, height=360, pad=48, xlabel="training step", dashe
     open(path, "w").write("\n".join(out) + "\n")
 
 
-def campaign(path, out):
-    """One line per series (prompt set and mode) through the drafters' points, by labelled tokens."""
+def campaign_series(path):
+    """{(block, "prompts mode"): [(labelled tokens, tau, drafter)]}, each sorted by tokens."""
     import csv
     series = {}
     for row in csv.DictReader(open(path)):
-        series.setdefault(row["series"], []).append((int(row["labelled_tokens"]), 0, 0.0, float(row["tau"])))
-    runs = [(name, sorted(rows)) for name, rows in series.items()]
+        key = (int(row["block"]), f'{row["prompts"]} {row["mode"]}')
+        series.setdefault(key, []).append((int(row["labelled_tokens"]), float(row["tau"]), row["drafter"]))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def campaign_svg(series, out):
+    """One line per series (block, prompt set and mode) through the drafters' points."""
+    runs = [(f"{name}, block {block}", [(n, 0, 0.0, tau) for n, tau, _ in rows]) for (block, name), rows in sorted(series.items(), reverse=True)]
     svg(runs, out, xlabel="labelled training tokens", dashed=False)
+
+
+def campaign_png(series, out):
+    """Two panels (block 16, block 4): held-apart tau against labelled tokens, log scale."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    blocks = sorted({b for b, _ in series}, reverse=True)
+    fig, axes = plt.subplots(1, len(blocks), figsize=(5.5 * len(blocks), 4.2), squeeze=False)
+    for ax, block in zip(axes[0], blocks):
+        for k, ((b, name), rows) in enumerate(sorted(series.items())):
+            if b != block:
+                continue
+            xs, ys = [r[0] for r in rows], [r[1] for r in rows]
+            ax.plot(xs, ys, marker="o", color=COLOURS[k % len(COLOURS)], label=name)
+            for x, y, d in rows:
+                ax.annotate(d, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("labelled training tokens")
+        ax.set_ylabel("tau on held-apart prompts (T = 0)")
+        ax.set_title(f"block {block}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M DFlash 2 drafter campaign (2-core CPU)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def main():
@@ -81,12 +115,18 @@ def main():
     ap.add_argument("--run", action="append", help="NAME=train.log (repeatable)")
     ap.add_argument("--csv")
     ap.add_argument("--svg")
-    ap.add_argument("--campaign", help="drafter,labelled_tokens,series,tau CSV: plot it to --svg")
+    ap.add_argument("--png", help="with --campaign: also plot it as PNG (matplotlib)")
+    ap.add_argument("--campaign", help="drafter,labelled_tokens,prompts,mode,block,tau CSV: plot it to --svg / --png")
     args = ap.parse_args()
     if args.campaign:
-        if not args.svg:
-            sys.exit("--campaign needs --svg")
-        return campaign(args.campaign, args.svg)
+        if not (args.svg or args.png):
+            sys.exit("--campaign needs --svg or --png")
+        series = campaign_series(args.campaign)
+        if args.svg:
+            campaign_svg(series, args.svg)
+        if args.png:
+            campaign_png(series, args.png)
+        return
     if not args.run or not args.csv:
         sys.exit("--run and --csv are needed (or --campaign)")
     runs = [(name, read(path)) for name, path in (r.split("=", 1) for r in args.run)]
