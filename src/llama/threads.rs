@@ -249,6 +249,21 @@ mod tests {
     }
 
     #[test]
+    fn prompts_of_varied_lengths_in_one_class_still_find_the_faster_team() {
+        // a bulk prefill (`dflash2 dataset`): one decode per conversation, 260 to 510 rows (one
+        // class), each row 1 ms with 2 threads and 1.4 ms with 1; the run started crowded
+        let mut g = ThreadGovernor::new(2, |_| true).unwrap();
+        g.crowded = quiet;
+        let mut rows = 260;
+        for _ in 0..400 {
+            rows = 260 + (rows * 7919 + 13) % 251; // lengths in no order
+            let t = g.threads_for(rows);
+            g.record(rows, t, rows as f64 * if t == 2 { 1.0 } else { 1.4 });
+        }
+        assert_eq!(g.current(), 2);
+    }
+
+    #[test]
     fn a_crowded_machine_starts_with_the_smaller_team_and_never_probes_the_larger_while_crowded() {
         let mut g = ThreadGovernor::new(2, |_| true).unwrap();
         assert_eq!(g.current(), 1);
