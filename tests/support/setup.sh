@@ -43,7 +43,7 @@ fi
 # the drafter training environment (gguf-drafters/train), kept between runs
 [ "${1:-}" = "--train" ] || exit 0
 root=$(cd "$(dirname "$0")/../.." && pwd)
-if ! "$root/.venv/bin/python" -c 'import torch, numpy, safetensors, gguf' 2>/dev/null; then
+if ! "$root/.venv/bin/python" -c 'import torch, numpy, safetensors, gguf, matplotlib' 2>/dev/null; then
   "$py" -m venv "$root/.venv"
   "$root/.venv/bin/pip" install -q -r "$root/gguf-drafters/train/requirements.txt"
 fi
