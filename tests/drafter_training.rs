@@ -174,17 +174,9 @@ fn compare_with_reference(target: &Path, trained: &Trained, data: &Path, dir: &P
     );
 }
 
-/// A dataset's integer tensors (tokens, labels, soft-label ids) by name.
-fn read_i32s(data: &Path) -> std::collections::HashMap<String, Vec<i32>> {
-    let bytes = std::fs::read(data).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    ["tokens", "next", "topk_ids"]
-        .iter()
-        .map(|&name| {
-            let t = st.tensor(name).unwrap();
-            (name.to_string(), t.data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect())
-        })
-        .collect()
+/// One of a dataset's integer tensors (tokens, labels, soft-label ids).
+fn ints(st: &safetensors::SafeTensors, name: &str) -> Vec<i32> {
+    st.tensor(name).unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect()
 }
 
 /// The dataset's soft labels: per token the target's `k` most likely next tokens, the first one
@@ -192,8 +184,7 @@ fn read_i32s(data: &Path) -> std::collections::HashMap<String, Vec<i32>> {
 fn check_soft_labels(data: &Path, k: usize) {
     let bytes = std::fs::read(data).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut ints = read_i32s(data);
-    let (next, ids) = (ints.remove("next").unwrap(), ints.remove("topk_ids").unwrap());
+    let (next, ids) = (ints(&st, "next"), ints(&st, "topk_ids"));
     assert_eq!(st.tensor("topk_ids").unwrap().shape(), [next.len(), k]);
     assert_eq!(st.tensor("topk_logprobs").unwrap().shape(), [next.len(), k]);
     let lp: Vec<f32> = st.tensor("topk_logprobs").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
@@ -224,10 +215,12 @@ fn dataset_train_convert_and_run_a_drafter_on_the_synthetic_target() {
     let log = run(dflash2().args(["dataset", "-m"]).arg(&target).arg("--conversations").arg(&conv).arg("--out").arg(&fa).args(["--layers", "1,2", "-t", "2", "--flash-attn"]));
     assert!(log.contains("28 conversations"), "{log}");
     check_soft_labels(&fa, 8);
-    let (exact, fast) = (read_i32s(&data), read_i32s(&fa));
-    assert_eq!(exact["tokens"], fast["tokens"]);
-    let same = exact["next"].iter().zip(&fast["next"]).filter(|(a, b)| a == b).count();
-    assert!(same as f64 >= 0.9 * exact["next"].len() as f64, "labels with flash attention: {same} of {} equal", exact["next"].len());
+    let (exact, fast) = (std::fs::read(&data).unwrap(), std::fs::read(&fa).unwrap());
+    let (exact, fast) = (safetensors::SafeTensors::deserialize(&exact).unwrap(), safetensors::SafeTensors::deserialize(&fast).unwrap());
+    assert_eq!(ints(&exact, "tokens"), ints(&fast, "tokens"));
+    let (exact, fast) = (ints(&exact, "next"), ints(&fast, "next"));
+    let same = exact.iter().zip(&fast).filter(|(a, b)| a == b).count();
+    assert!(same as f64 >= 0.9 * exact.len() as f64, "labels with flash attention: {same} of {} equal", exact.len());
 
     // the PyTorch copy of the target (what a GPU machine without llama.cpp decodes and reads
     // features with) computes what llama.cpp computes, up to llama.cpp's rounding of activations

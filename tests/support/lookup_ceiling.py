@@ -171,11 +171,10 @@ def main():
     report("copy oracle (any run of the context, best lengths)", copy)
     report("look-up proposals, oracle lengths",
            sum(best_time(len(s), cost, lambda i, s=s: [(d, min(d, s[i][1])) for d in range(1, s[i][0] + 1)]) for s in steps))
-    best = max(((D, M) for D in (1, 3, 5, 7, 11, 15) for M in (1, 2, 4, 6, 8, 12, 16)),
-               key=lambda dm: -sum(policy_time(s, cost, lambda plen, rep: min(plen, dm[0]) if rep >= dm[1] else 0) for s in steps))
-    D, M = best
-    report(f"look-up, best fixed policy (draft <= {D} when the repeat >= {M})",
-           sum(policy_time(s, cost, lambda plen, rep: min(plen, D) if rep >= M else 0) for s in steps))
+    fixed = {(D, M): sum(policy_time(s, cost, lambda plen, rep: min(plen, D) if rep >= M else 0) for s in steps)
+             for D in (1, 3, 5, 7, 11, 15) for M in (1, 2, 4, 6, 8, 12, 16)}
+    (D, M), total = min(fixed.items(), key=lambda kv: kv[1])
+    report(f"look-up, best fixed policy (draft <= {D} when the repeat >= {M})", total)
 
     # acceptance by repeat length, fitted on the set: P(at least k accepted | repeat)
     reach, seen = defaultdict(lambda: [0] * (MAX_DRAFT + 1)), Counter()
