@@ -108,14 +108,26 @@ pub fn probe(
     batches: &[usize],
     first_difference: bool,
 ) -> Result<Probe, LlamaError> {
+    probe_at(model, params, batches, first_difference, 4)
+}
+
+/// [`probe`] after `context` tokens decoded as one batch: some kernels change path with the
+/// cache's length (ggml's flash attention splits a single row's cache past 256 cells).
+pub fn probe_at(
+    model: &Arc<Model>,
+    params: &ContextParams,
+    batches: &[usize],
+    first_difference: bool,
+    context: usize,
+) -> Result<Probe, LlamaError> {
     let started = Instant::now();
     let n_ref = batches.iter().copied().max().unwrap_or(1).max(1);
-    const PREFIX: usize = 4;
-    let tokens = probe_tokens(model, PREFIX + n_ref)?;
+    let prefix = context.max(1);
+    let tokens = probe_tokens(model, prefix + n_ref)?;
     // One sequence, no feature capture: the probe is about the target's own numbers.
     let params = ContextParams {
-        n_ctx: (PREFIX + n_ref).next_multiple_of(256),
-        n_batch: n_ref.max(PREFIX),
+        n_ctx: (prefix + n_ref).next_multiple_of(256),
+        n_batch: n_ref.max(prefix),
         n_seq_max: 1,
         features: FeatureSource::None,
         kv_unified: true,
@@ -124,16 +136,16 @@ pub fn probe(
         ..params.clone()
     };
     let mut ctx = Context::new(model.clone(), &params, None)?;
-    let mut batch = Batch::tokens(n_ref.max(PREFIX), 1);
-    for (i, &t) in tokens[..PREFIX].iter().enumerate() {
-        batch.add_token(t, i as i32, &[0], i + 1 == PREFIX)?;
+    let mut batch = Batch::tokens(n_ref.max(prefix), 1);
+    for (i, &t) in tokens[..prefix].iter().enumerate() {
+        batch.add_token(t, i as i32, &[0], i + 1 == prefix)?;
     }
     ctx.decode(&batch, "probe prefix")?;
     let mut single = Vec::with_capacity(n_ref);
     let mut single_ms = Vec::with_capacity(n_ref);
-    for (i, &t) in tokens[PREFIX..].iter().enumerate() {
+    for (i, &t) in tokens[prefix..].iter().enumerate() {
         batch.clear();
-        batch.add_token(t, (PREFIX + i) as i32, &[0], true)?;
+        batch.add_token(t, (prefix + i) as i32, &[0], true)?;
         let t0 = Instant::now();
         ctx.decode(&batch, "probe single step")?;
         single_ms.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -143,15 +155,15 @@ pub fn probe(
     let threads_identical = if params.n_threads > 1 {
         let half = ContextParams { n_threads: (params.n_threads / 2).max(1), ..params.clone() };
         let mut other = Context::new(model.clone(), &half, None)?;
-        let mut b = Batch::tokens(PREFIX, 1);
-        for (i, &t) in tokens[..PREFIX].iter().enumerate() {
-            b.add_token(t, i as i32, &[0], i + 1 == PREFIX)?;
+        let mut b = Batch::tokens(prefix, 1);
+        for (i, &t) in tokens[..prefix].iter().enumerate() {
+            b.add_token(t, i as i32, &[0], i + 1 == prefix)?;
         }
         other.decode(&b, "probe prefix")?;
         let mut same = true;
-        for (i, &t) in tokens[PREFIX..].iter().enumerate() {
+        for (i, &t) in tokens[prefix..].iter().enumerate() {
             b.clear();
-            b.add_token(t, (PREFIX + i) as i32, &[0], true)?;
+            b.add_token(t, (prefix + i) as i32, &[0], true)?;
             other.decode(&b, "probe single step")?;
             same &= other.logits(0)?.iter().zip(&single[i]).all(|(x, y)| x.to_bits() == y.to_bits());
         }
@@ -161,7 +173,7 @@ pub fn probe(
     };
     let mut checks = Vec::new();
     for &b in batches {
-        let start = PREFIX + n_ref - b;
+        let start = prefix + n_ref - b;
         ctx.seq_rm(0, start as i32, -1)?;
         batch.clear();
         for (i, &t) in tokens[start..].iter().enumerate() {
@@ -323,7 +335,7 @@ impl ProbeCache {
         let meta = std::fs::metadata(path).ok();
         let mtime = meta.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
         let key = format!(
-            "{}|{}|{:?}|gpu {n_gpu_layers}|threads {}|k {}|v {}|fa {}|{}|{}|{}|{:?}|{}",
+            "{}|{}|{:?}|gpu {n_gpu_layers}|threads {}|k {}|v {}|fa {}|ref {}|{}|{}|{}|{:?}|{}",
             file.display(),
             meta.map_or(0, |m| m.len()),
             mtime,
@@ -331,6 +343,7 @@ impl ProbeCache {
             params.cache_k.name(),
             params.cache_v.name(),
             params.flash_attn,
+            params.reference_kernels,
             env!("CARGO_PKG_VERSION"),
             crate::llama::system_info(),
             cpu_model(),

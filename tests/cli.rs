@@ -222,6 +222,27 @@ fn quantize_refuses_a_silent_requantize_and_writes_a_loadable_model() {
     assert_eq!(g["n_generated"], 8);
 }
 
+/// `inspect --check` probes where it is told: after `--context` tokens, with the V cache type and
+/// the reference flash attention it is given (each row computed alone: every batch bit-exact).
+#[test]
+fn inspect_check_probes_at_a_given_context_with_reference_flash_attention() {
+    let target = path("target.gguf");
+    let out = dflash2(&[
+        "inspect", &target, "--check", "--context", "300", "--flash-attn-ref", "--cache-type-v", "f32", "--batches", "2,4", "-t", "2",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((j["context"].as_u64(), j["flash_attn_ref"].as_bool(), j["cache_type_v"].as_str()), (Some(300), Some(true), Some("f32")));
+    let probes = j["probes"].as_array().unwrap();
+    assert_eq!(probes.len(), 2, "{j}");
+    for p in probes {
+        let sizes: Vec<u64> = p["checks"].as_array().unwrap().iter().map(|c| c["batch"].as_u64().unwrap()).collect();
+        assert_eq!(sizes, [2, 4], "{p}");
+        assert!(p["checks"].as_array().unwrap().iter().all(|c| c["identical"] == true), "{p}");
+    }
+}
+
 #[test]
 fn inspect_costs_times_each_piece_of_a_cycle_and_refuses_a_target_alone() {
     let (target, drafter) = (path("target.gguf"), path("drafter-dflash2.gguf"));

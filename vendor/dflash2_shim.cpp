@@ -4,6 +4,7 @@
 
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "llama-context.h"
 #include "llama-ext.h"
 #include "common.h"
 #include "log.h"
@@ -52,6 +53,31 @@ const int32_t * dflash2_model_target_layer_ids(const llama_model * model) {
 
 uint32_t dflash2_model_target_layer_ids_n(const llama_model * model) {
     return llama_model_target_layer_ids_n(model);
+}
+
+int32_t dflash2_set_cpu_reference(llama_context * ctx, bool value) {
+    try {
+        typedef void (*set_use_ref_t)(ggml_backend_t, bool);
+        ggml_backend_sched_t sched = ctx->get_sched();
+        int32_t n_set = 0;
+        for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+            ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
+            ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+            if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+                continue;
+            }
+            // Looked up through the registry: the CPU backend may be a loaded module.
+            auto set = (set_use_ref_t) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
+                                                                          "ggml_backend_cpu_set_use_ref");
+            if (set) {
+                set(backend, value);
+                ++n_set;
+            }
+        }
+        return n_set;
+    } catch (...) {
+        return 0;
+    }
 }
 
 } // extern "C"

@@ -21,6 +21,13 @@ int32_t         dflash2_model_selector_top_k(const struct llama_model * model);
 const int32_t * dflash2_model_target_layer_ids(const struct llama_model * model);
 uint32_t        dflash2_model_target_layer_ids_n(const struct llama_model * model);
 
+/* ---- the CPU backend's reference kernels ----
+ * Makes every CPU backend of ctx run ggml's reference paths (llama.cpp's `--use-ref`): no
+ * split-KV or tiled flash attention, no tiled or llamafile matrix products, no op fusion, so
+ * each output row is computed alone whatever the batch. Returns how many CPU backends it set
+ * (0: none, or this ggml has no such switch). */
+int32_t         dflash2_set_cpu_reference(struct llama_context * ctx, bool value);
+
 /* ---- layer-input capture through cb_eval ----
  * The input of layer il is the graph tensor named "l_out-<il-1>". Install
  * dflash2_capture_eval as cb_eval with the capture as user data; after each

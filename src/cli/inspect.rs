@@ -40,6 +40,9 @@ pub struct InspectArgs {
     /// KV cache type of the target's K during the probe (`--check`)
     #[arg(long = "cache-type-k", default_value_t = crate::llama::CacheType::F16)]
     pub cache_type_k: crate::llama::CacheType,
+    /// KV cache type of the target's V during the probe (`--check`)
+    #[arg(long = "cache-type-v", default_value_t = crate::llama::CacheType::F16)]
+    pub cache_type_v: crate::llama::CacheType,
     /// Layers to offload to a GPU during the probe (GPU builds only)
     #[arg(long = "gpu-layers", default_value_t = 999)]
     pub gpu_layers: i32,
@@ -47,9 +50,16 @@ pub struct InspectArgs {
     /// feature injection and block decode at each block size, as the engine runs them
     #[arg(long, requires = "target")]
     pub costs: bool,
-    /// Tokens of context before the timed steps (`--costs`)
-    #[arg(long, default_value_t = 256)]
-    pub context: usize,
+    /// Tokens of context before the timed steps (`--costs`; default 256) or the probed
+    /// positions (`--check`; default 4)
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Probe the target with flash attention through ggml's reference CPU kernels (`--check`):
+    /// the one flash attention of the CPU backend that computes each row alone, whatever the
+    /// batch (its split and tiled paths round a batch differently). Not what the engine runs:
+    /// measured slower past a few hundred tokens of context (BENCHMARKS.md, section (j)).
+    #[arg(long = "flash-attn-ref")]
+    pub flash_attn_ref: bool,
 }
 
 pub fn run(args: &InspectArgs) -> Result<()> {
@@ -195,13 +205,20 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     if args.batches.iter().any(|&b| !(2..=512).contains(&b)) {
         anyhow::bail!("--batches: each size must be between 2 and 512");
     }
-    let params =
-        ContextParams { n_threads: args.threads, cache_k: args.cache_type_k, flash_attn: false, ..ContextParams::default() };
+    let params = ContextParams {
+        n_threads: args.threads,
+        cache_k: args.cache_type_k,
+        cache_v: args.cache_type_v,
+        flash_attn: args.flash_attn_ref,
+        reference_kernels: args.flash_attn_ref,
+        ..ContextParams::default()
+    };
+    let context = args.context.unwrap_or(4).max(1);
     let mut probes = Vec::new();
     for repack in [true, false] {
         let model = Arc::new(Model::load(&args.file, &ModelParams { n_gpu_layers: args.gpu_layers, repack })?);
         let runs = (0..args.runs.max(1))
-            .map(|_| crate::target::probe(&model, &params, &args.batches, false))
+            .map(|_| crate::target::probe_at(&model, &params, &args.batches, false, context))
             .collect::<Result<Vec<_>, _>>()?;
         probes.push(median_probe(runs));
     }
@@ -212,11 +229,20 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     };
     if args.json {
         let out = serde_json::json!({ "file": args.file, "threads": args.threads, "cache_type_k": args.cache_type_k.name(),
+            "cache_type_v": args.cache_type_v.name(), "context": context, "flash_attn_ref": args.flash_attn_ref,
             "system_info": crate::llama::system_info(), "probes": probes, "choice": choice });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("{} ({}), {} threads, K cache {}", args.file.display(), info.architecture, args.threads, args.cache_type_k.name());
+    println!(
+        "{} ({}), {} threads, K / V cache {} / {}, {context} tokens of context, {}",
+        args.file.display(),
+        info.architecture,
+        args.threads,
+        args.cache_type_k.name(),
+        args.cache_type_v.name(),
+        if args.flash_attn_ref { "flash attention (reference kernels)" } else { "no flash attention (as the engine runs it)" }
+    );
     println!(
         "{:<7} {:>5} {:>9} {:>11} {:>12} {:>9} {:>13}",
         "repack", "batch", "identical", "max |diff|", "argmax flips", "ms", "x single step"
@@ -272,7 +298,7 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     let gpu = ModelParams { n_gpu_layers: args.gpu_layers, ..ModelParams::default() };
     let target = Arc::new(Model::load(target_path, &gpu)?);
     let drafter = Arc::new(Model::load(&args.file, &gpu)?);
-    let n = args.context.max(1);
+    let n = args.context.unwrap_or(256).max(1);
     let params = ContextParams {
         n_ctx: n + 64,
         n_threads: args.threads,

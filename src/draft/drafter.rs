@@ -70,6 +70,7 @@ impl Drafter {
             // do not affect what is generated.
             kv_unified: true,
             flash_attn: true,
+            reference_kernels: false,
             cache_k,
             cache_v,
             adapt_threads: true,

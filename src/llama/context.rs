@@ -112,6 +112,10 @@ pub struct ContextParams {
     /// a single-token decode above 256 cells and rounds differently from a multi-token
     /// decode, so a context whose outputs must not depend on the batch shape turns it off.
     pub flash_attn: bool,
+    /// Run ggml's reference CPU kernels (`dflash2_set_cpu_reference`): each output row is
+    /// computed alone, which makes flash attention round a batch like single steps, at a cost
+    /// (BENCHMARKS.md (j)); only `inspect --check --flash-attn-ref` asks for it.
+    pub reference_kernels: bool,
     /// Element types of the K and V caches. llama.cpp quantizes V only with flash attention.
     pub cache_k: CacheType,
     pub cache_v: CacheType,
@@ -132,6 +136,7 @@ impl Default for ContextParams {
             features: FeatureSource::None,
             kv_unified: true,
             flash_attn: false,
+            reference_kernels: false,
             cache_k: CacheType::F16,
             cache_v: CacheType::F16,
             adapt_threads: true,
@@ -308,6 +313,13 @@ impl Context {
             for &l in layers {
                 unsafe { shim::dflash2_set_embeddings_layer_inp(ptr.as_ptr(), l as u32, true) };
             }
+        }
+        if params.reference_kernels && unsafe { shim::dflash2_set_cpu_reference(ptr.as_ptr(), true) } == 0 {
+            unsafe { sys::llama_free(ptr.as_ptr()) };
+            return Err(LlamaError::Invalid(format!(
+                "reference kernels asked for {}, but its context has no CPU backend with that switch",
+                model.path()
+            )));
         }
         let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) } as usize;
         let n_batch = unsafe { sys::llama_n_batch(ptr.as_ptr()) } as usize;
