@@ -116,11 +116,37 @@ def best_time(n, cost, options):
     return t[0]
 
 
+def replay(rows, ngram):
+    """Per prompt, every position's look-up proposal along the true output (the context does
+    not depend on how the output was drafted): [(path, tokens of it accepted, repeat length)]."""
+    steps = []
+    for r in rows:
+        p, o = r["prompt"], r["out"]
+        seq = []
+        for i in range(len(o)):
+            path, repeat = propose(p + o[:i], ngram)
+            seq.append((path, accepted(path, o, i), repeat))
+        steps.append(seq)
+    return steps
+
+
+def best_length(at_least, cost):
+    """The draft length with the most expected tokens per ms, given at_least[d - 1] = P(at
+    least d drafted tokens accepted); 0 (a plain step) when none beats it."""
+    best_d, best_rate, expected = 0, 1.0 / cost(1), 0.0
+    for d, p in enumerate(at_least, 1):
+        expected += p
+        if (1 + expected) / cost(d + 1) > best_rate:
+            best_d, best_rate = d, (1 + expected) / cost(d + 1)
+    return best_d
+
+
 def policy_time(steps, cost, choose):
+    """Time of one prompt's replay when choose(path, repeat) sets each draft's length."""
     t, i = 0.0, 0
     while i < len(steps):
-        plen, a, repeat = steps[i]
-        d = choose(plen, repeat) if plen else 0
+        path, a, repeat = steps[i]
+        d = choose(path, repeat) if path else 0
         t += cost(d + 1)
         i += min(d, a) + 1
     return t
@@ -149,16 +175,7 @@ def main():
     cost = Costs(json.loads(args.costs))
     plain = sum(len(r["out"]) for r in rows) * cost(1)
 
-    # every position's look-up proposal along the true output (the context does not depend on
-    # how the output was drafted)
-    steps = []
-    for r in rows:
-        p, o = r["prompt"], r["out"]
-        seq = []
-        for i in range(len(o)):
-            path, repeat = propose(p + o[:i], args.lookup_ngram)
-            seq.append((len(path), accepted(path, o, i), repeat))
-        steps.append(seq)
+    steps = replay(rows, args.lookup_ngram)
 
     def report(name, total):
         print(f"{name:<58} {plain / total:5.2f}x plain")
@@ -170,8 +187,8 @@ def main():
         copy += best_time(len(o), cost, lambda i: [(d, d) for d in range(1, longest[i] + 1)])
     report("copy oracle (any run of the context, best lengths)", copy)
     report("look-up proposals, oracle lengths",
-           sum(best_time(len(s), cost, lambda i, s=s: [(d, min(d, s[i][1])) for d in range(1, s[i][0] + 1)]) for s in steps))
-    fixed = {(D, M): sum(policy_time(s, cost, lambda plen, rep: min(plen, D) if rep >= M else 0) for s in steps)
+           sum(best_time(len(s), cost, lambda i, s=s: [(d, min(d, s[i][1])) for d in range(1, len(s[i][0]) + 1)]) for s in steps))
+    fixed = {(D, M): sum(policy_time(s, cost, lambda path, rep: min(len(path), D) if rep >= M else 0) for s in steps)
              for D in (1, 3, 5, 7, 11, 15) for M in (1, 2, 4, 6, 8, 12, 16)}
     (D, M), total = min(fixed.items(), key=lambda kv: kv[1])
     report(f"look-up, best fixed policy (draft <= {D} when the repeat >= {M})", total)
@@ -179,19 +196,14 @@ def main():
     # acceptance by repeat length, fitted on the set: P(at least k accepted | repeat)
     reach, seen = defaultdict(lambda: [0] * (MAX_DRAFT + 1)), Counter()
     for s in steps:
-        for plen, a, repeat in s:
-            if plen:
+        for path, a, repeat in s:
+            if path:
                 seen[repeat] += 1
                 for k in range(1, a + 1):
                     reach[repeat][k] += 1
 
-    def stationary(plen, repeat):
-        best_d, best_rate, expected = 0, 1.0 / cost(1), 0.0
-        for d in range(1, plen + 1):
-            expected += reach[repeat][d] / seen[repeat]
-            if (1 + expected) / cost(d + 1) > best_rate:
-                best_d, best_rate = d, (1 + expected) / cost(d + 1)
-        return best_d
+    def stationary(path, repeat):
+        return best_length([reach[repeat][d] / seen[repeat] for d in range(1, len(path) + 1)], cost)
 
     report("look-up, best policy reading the repeat length (in-sample)", sum(policy_time(s, cost, stationary) for s in steps))
 

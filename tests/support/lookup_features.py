@@ -45,14 +45,7 @@ def kind(t):
     return "punct"
 
 
-seqs = []
-for r in rows:
-    p, o = r["prompt"], r["out"]
-    seq = []
-    for i in range(len(o)):
-        path, repeat = lc.propose(p + o[:i], 4)
-        seq.append((path, lc.accepted(path, o, i), repeat))
-    seqs.append(seq)
+seqs = lc.replay(rows, 4)
 
 accepted, broke = Counter(), Counter()
 for s in seqs:
@@ -83,20 +76,14 @@ def fit(part, use):
 
 
 def time_of(part, p_next, use):
-    t = 0.0
-    for s in part:
-        i = 0
-        while i < len(s):
-            path, a, repeat = s[i]
-            best_d, best_rate, expected, reach = 0, 1.0 / cost(1), 0.0, 1.0
-            for d in range(1, len(path) + 1):
-                reach *= p_next(use(features(path, d - 1, repeat)))
-                expected += reach
-                if (1 + expected) / cost(d + 1) > best_rate:
-                    best_d, best_rate = d, (1 + expected) / cost(d + 1)
-            t += cost(best_d + 1)
-            i += min(best_d, a) + 1
-    return t
+    def choose(path, repeat):
+        at_least, reach = [], 1.0
+        for j in range(len(path)):
+            reach *= p_next(use(features(path, j, repeat)))
+            at_least.append(reach)
+        return lc.best_length(at_least, cost)
+
+    return sum(lc.policy_time(s, cost, choose) for s in part)
 
 
 uses = {
