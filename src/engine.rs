@@ -372,7 +372,7 @@ struct Slot {
     pending_pos0: usize,
     /// The look-up's index of this conversation, brought up to date when a run with
     /// look-up drafts (so it costs nothing otherwise), and how often the target took
-    /// its proposals here.
+    /// its proposals in the current run (starting from `Engine::lookup_learned`).
     lookup: NgramIndex,
     lookup_calibration: lookup::Calibration,
 }
@@ -418,6 +418,9 @@ pub struct Engine {
     history: Vec<Token>,
     /// llama.cpp's n-gram drafting, of the type runs last asked for.
     llama_ngram: Option<(&'static str, UpstreamDrafter)>,
+    /// How often the target took look-up tokens in every run so far: where each run's own
+    /// calibration starts.
+    lookup_learned: lookup::Calibration,
 }
 
 impl Engine {
@@ -495,6 +498,7 @@ impl Engine {
             near_tie_margin: cfg.near_tie_margin,
             history: Vec::new(),
             llama_ngram: None,
+            lookup_learned: lookup::Calibration::default(),
         })
     }
 
@@ -612,6 +616,9 @@ impl Engine {
                 self.llama_ngram = Some((kind, UpstreamDrafter::ngram(kind, &self.target, self.slots.len())?));
             }
             self.llama_ngram.as_mut().expect("made above").1.begin(slot as i32, prompt)?;
+        }
+        if speculative && opts.lookup {
+            self.slots[slot].lookup_calibration = lookup::Calibration::learning_from(&self.lookup_learned);
         }
         if let Some(g) = run.grammar.as_mut().filter(|_| !self.target.model().is_eog(first)) {
             g.accept(first)?;
@@ -1071,13 +1078,17 @@ impl Engine {
             self.cost.record_drafter_accepted(drafter[1]);
         }
         if let Some(proposal) = &p.lookup {
+            // every look-up token the target tested: those it took, and the first look-up
+            // child of where it stopped (one per depth: its siblings were tested by the same row)
             let stopped_at = path.last().copied();
-            let rejected_lookup_child = tree.children(stopped_at).any(|c| tree.nodes[c].origin.from_lookup());
-            self.slots[p.slot].lookup_calibration.record(
-                proposal.match_len,
-                lookup[1] + rejected_lookup_child as usize,
-                lookup[1],
-            );
+            let rejected = tree.children(stopped_at).any(|c| tree.nodes[c].origin.from_lookup());
+            let rejected_depth = stopped_at.map_or(1, |i| tree.nodes[i].depth + 1);
+            let tested = path.iter().filter(|&&i| tree.nodes[i].origin.from_lookup()).map(|&i| (tree.nodes[i].depth, true));
+            for (depth, taken) in tested.chain(rejected.then_some((rejected_depth, false))) {
+                let repeat = proposal.repeat_at(depth);
+                self.slots[p.slot].lookup_calibration.record(repeat, taken);
+                self.lookup_learned.record(repeat, taken);
+            }
         }
     }
 
@@ -1352,10 +1363,6 @@ impl Engine {
                 s.pending.truncate(queued_keep);
             }
             s.cached.truncate(keep);
-            if keep == 0 {
-                // a new conversation: what the target took of the old one's look-ups says little
-                s.lookup_calibration = lookup::Calibration::default();
-            }
         }
         Ok(())
     }

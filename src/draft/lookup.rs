@@ -5,7 +5,8 @@
 //! committed tokens (prompt and output) proposes the continuations that followed earlier
 //! matches of its last n tokens, at no drafter cost. A proposal is a token trie (one
 //! branch per distinct continuation); each node's chance of acceptance is estimated from
-//! how often the target took look-up tokens in this sequence so far, by match length.
+//! how often the target took look-up tokens in this sequence so far, by the length of the
+//! repeat the node would extend (the match, plus the proposed tokens before the node).
 use std::collections::HashMap;
 
 use super::{DraftNode, DraftTree, Origin};
@@ -160,26 +161,30 @@ impl Proposal {
         }
     }
 
+    /// The repeat a node at `depth` (1 = the first proposed token) would extend, given that
+    /// the target took the proposed tokens before it: those tokens repeat the context too.
+    pub fn repeat_at(&self, depth: usize) -> usize {
+        self.match_len + depth.saturating_sub(1)
+    }
+
     /// Each node's chance of acceptance given its parent: the sequence's acceptance rate
-    /// of look-up tokens at this match length, times the node's share of its parent's
-    /// continuations.
-    fn q(&self, i: usize, rate: f32) -> f32 {
+    /// of look-up tokens extending a repeat as long as this node's, times the node's share
+    /// of its parent's continuations.
+    fn q(&self, i: usize, calibration: &Calibration) -> f32 {
         let n = &self.nodes[i];
         let parent_support = n.parent.map_or(self.n_matches, |p| self.nodes[p].support);
-        rate * n.support as f32 / parent_support as f32
+        calibration.rate(self.repeat_at(n.depth)) * n.support as f32 / parent_support as f32
     }
 
     /// The whole trie as a draft tree, best-first, at most `budget` nodes.
     pub fn tree(&self, calibration: &Calibration, budget: usize) -> DraftTree {
-        let rate = calibration.rate(self.match_len);
-        let nodes = (0..self.nodes.len()).map(|i| self.draft_node(i, self.nodes[i].parent, rate)).collect();
+        let nodes = (0..self.nodes.len()).map(|i| self.draft_node(i, self.nodes[i].parent, calibration)).collect();
         DraftTree { nodes }.best_first(budget)
     }
 
     /// The likeliest continuation (the most supported child at each step; the most recent
     /// match on ties) as a chain.
     pub fn path(&self, calibration: &Calibration) -> DraftTree {
-        let rate = calibration.rate(self.match_len);
         let mut tree = DraftTree::default();
         let mut at = None;
         loop {
@@ -188,25 +193,35 @@ impl Proposal {
             let best = (0..self.nodes.len()).rev().filter(|&i| self.nodes[i].parent == at).max_by_key(|&i| self.nodes[i].support);
             let Some(i) = best else { break };
             let parent = tree.nodes.len().checked_sub(1);
-            tree.nodes.push(self.draft_node(i, parent, rate));
+            tree.nodes.push(self.draft_node(i, parent, calibration));
             at = Some(i);
         }
         tree
     }
 
-    fn draft_node(&self, i: usize, parent: Option<usize>, rate: f32) -> DraftNode {
+    fn draft_node(&self, i: usize, parent: Option<usize>, calibration: &Calibration) -> DraftNode {
         let n = &self.nodes[i];
-        DraftNode { token: n.token, parent, depth: n.depth, cand: 0, q: self.q(i, rate), origin: Origin::Lookup }
+        DraftNode { token: n.token, parent, depth: n.depth, cand: 0, q: self.q(i, calibration), origin: Origin::Lookup }
     }
 }
 
-/// How often the target took look-up tokens in one sequence, by match length: the
-/// acceptance estimate of the next proposals.
-#[derive(Debug, Clone, Default)]
+/// How often the target took look-up tokens, by the length of the repeat each token would
+/// extend: the acceptance estimate of the next proposals. One table serves every depth of a
+/// draft: a token deep in a proposal whose tokens before it were taken extends a longer
+/// repeat, and on the held-apart editing set its acceptance matches a first token after a
+/// match that long (`tests/support/lookup_features.py`).
+///
+/// The engine keeps one table over every conversation it served (how this target copies
+/// from its context) and gives each run a table of its own that starts from it
+/// ([`Calibration::learning_from`]) and follows what the target does in this answer.
+#[derive(Debug, Clone)]
 pub struct Calibration {
     /// Look-up tokens the target tested (their parent was accepted) and accepted, by bucket.
     tested: [u32; BUCKETS],
     accepted: [u32; BUCKETS],
+    /// The rate by bucket before this table's own evidence, and how many observations it weighs.
+    prior: [f32; BUCKETS],
+    prior_weight: [f32; BUCKETS],
 }
 
 /// Match lengths 1-4 each, then 5-7, 8-11 and 12 or more: long repeats are rarer, so they
@@ -222,22 +237,46 @@ fn bucket(match_len: usize) -> usize {
     }
 }
 
-/// Pseudo-observations of the prior: it fades after a few cycles.
+/// Pseudo-observations of the built-in prior: it fades after a few cycles.
 const PRIOR_WEIGHT: f32 = 2.0;
+/// Pseudo-observations of what earlier conversations showed, at most (as many as they
+/// observed, at least `PRIOR_WEIGHT`): a run's own evidence takes over after a few drafts
+/// (replays of the editing set: 8-16 gain 1-3% over 2 and over starting every run from the
+/// built-in prior).
+const LEARNED_WEIGHT: f32 = 8.0;
+
+impl Default for Calibration {
+    /// Before any evidence: longer repeats are likelier to go on.
+    fn default() -> Self {
+        let prior = std::array::from_fn(|b| (0.3 + 0.1 * b as f32).min(0.9));
+        Self { tested: [0; BUCKETS], accepted: [0; BUCKETS], prior, prior_weight: [PRIOR_WEIGHT; BUCKETS] }
+    }
+}
 
 impl Calibration {
-    /// Chance that the target takes a look-up token whose parent it took, after a match
-    /// of `match_len` tokens. Before any evidence: longer matches are likelier.
-    pub fn rate(&self, match_len: usize) -> f32 {
-        let b = bucket(match_len);
-        let prior = (0.3 + 0.1 * b as f32).min(0.9);
-        let rate = (self.accepted[b] as f32 + PRIOR_WEIGHT * prior) / (self.tested[b] as f32 + PRIOR_WEIGHT);
+    /// A table for a new run that starts from what `learned` has seen.
+    pub fn learning_from(learned: &Calibration) -> Self {
+        let prior = std::array::from_fn(|b| learned.bucket_rate(b));
+        let prior_weight = std::array::from_fn(|b| (learned.tested[b] as f32).clamp(PRIOR_WEIGHT, LEARNED_WEIGHT));
+        Self { tested: [0; BUCKETS], accepted: [0; BUCKETS], prior, prior_weight }
+    }
+
+    /// Chance that the target takes a look-up token whose parent it took, extending a
+    /// repeat of `repeat` tokens.
+    pub fn rate(&self, repeat: usize) -> f32 {
+        self.bucket_rate(bucket(repeat))
+    }
+
+    fn bucket_rate(&self, b: usize) -> f32 {
+        let w = self.prior_weight[b];
+        let rate = (self.accepted[b] as f32 + w * self.prior[b]) / (self.tested[b] as f32 + w);
         rate.min(0.98)
     }
 
-    pub fn record(&mut self, match_len: usize, tested: usize, accepted: usize) {
-        let b = bucket(match_len);
-        self.tested[b] += tested as u32;
+    /// One look-up token the target tested, extending a repeat of `repeat` tokens.
+    pub fn record(&mut self, repeat: usize, accepted: bool) {
+        let b = bucket(repeat);
+        self.tested[b] += 1;
         self.accepted[b] += accepted as u32;
     }
 }
@@ -286,9 +325,8 @@ mod tests {
         let path = p.path(&cal);
         assert_eq!(tokens(&path), vec![6, 7], "6 -> 7 has two of three continuations");
         assert_eq!(p.match_len, 5, "the sequence ends as it began: [5 6 7 0 5]");
-        let rate = cal.rate(5);
-        assert!((path.nodes[0].q - rate).abs() < 1e-6, "all three matches go through 6");
-        assert!((path.nodes[1].q - rate * 2.0 / 3.0).abs() < 1e-6);
+        assert!((path.nodes[0].q - cal.rate(5)).abs() < 1e-6, "all three matches go through 6");
+        assert!((path.nodes[1].q - cal.rate(6) * 2.0 / 3.0).abs() < 1e-6, "6 extends the repeat to 6 tokens");
         let tie = index(&[5, 1, 0, 5, 2, 0, 5]).propose(1, 1).unwrap();
         assert_eq!(tokens(&tie.path(&cal)), vec![2], "the most recent of equal supports");
     }
@@ -325,10 +363,45 @@ mod tests {
     fn calibration_follows_what_the_target_accepted() {
         let mut cal = Calibration::default();
         let before = cal.rate(4);
-        cal.record(4, 20, 19);
+        (0..20).for_each(|i| cal.record(4, i > 0));
         assert!(cal.rate(4) > before && cal.rate(4) > 0.85);
-        cal.record(1, 20, 1);
+        (0..20).for_each(|i| cal.record(1, i == 0));
         assert!(cal.rate(1) < 0.15);
         assert!(cal.rate(3) < cal.rate(5), "a longer match is likelier before evidence");
+    }
+
+    #[test]
+    fn a_new_run_starts_from_what_earlier_runs_showed_and_follows_its_own() {
+        let mut learned = Calibration::default();
+        (0..100).for_each(|i| learned.record(2, i % 10 == 0));
+        let mut run = Calibration::learning_from(&learned);
+        assert!((run.rate(2) - learned.rate(2)).abs() < 1e-6);
+        assert!(run.rate(2) < 0.15, "earlier runs rarely took these");
+        assert_eq!(run.rate(9), Calibration::default().rate(9), "no evidence yet: the built-in prior");
+        let mut fresh = Calibration::learning_from(&Calibration::default());
+        let mut first = Calibration::default();
+        (0..5).for_each(|_| {
+            fresh.record(9, false);
+            first.record(9, false);
+        });
+        assert_eq!(fresh.rate(9), first.rate(9), "with nothing learned, a run adapts as fast as the first");
+        (0..24).for_each(|_| run.record(2, true));
+        assert!(run.rate(2) > 0.7, "this answer copies: {}", run.rate(2));
+    }
+
+    #[test]
+    fn a_deeper_token_is_estimated_by_the_longer_repeat_it_extends() {
+        // after a 1-token match the copy often breaks; once two tokens repeat, it goes on
+        let mut cal = Calibration::default();
+        (0..20).for_each(|i| cal.record(1, i % 5 == 0));
+        (0..20).for_each(|i| cal.record(2, i > 0));
+        (0..20).for_each(|i| cal.record(3, i > 0));
+        //               0  1  2  3  4  5
+        let p = index(&[7, 1, 2, 3, 0, 7]).propose(1, 3).unwrap();
+        assert_eq!((p.match_len, tokens(&p.path(&cal))), (1, vec![1, 2, 3]));
+        let q: Vec<f32> = p.path(&cal).nodes.iter().map(|n| n.q).collect();
+        assert_eq!(q, vec![cal.rate(1), cal.rate(2), cal.rate(3)]);
+        assert!(q[0] < 0.3 && q[1] > 0.85, "{q:?}");
+        assert_eq!(p.repeat_at(3), 3);
     }
 }

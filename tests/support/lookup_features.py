@@ -5,7 +5,9 @@ Replays the target's greedy outputs saved by `lookup_ceiling.py --save` (the eng
 proposals along the true output, as that script computes them) and fits, per feature set, the
 probability that a proposed token is accepted given that the ones before it were: the repeat
 length behind the proposal, the token's depth in the draft, and its kind (newline, punctuation,
-word, word after a space, space). Each policy then drafts the length with the best expected
+word, word after a space, space); and, as the engine estimates it, the repeat the token would
+extend (the repeat behind the proposal plus the proposed tokens before the token, in the engine's
+calibration buckets). Each policy then drafts the length with the best expected
 tokens per ms under the verify-cost curve. Fitted on one half of the prompts and timed on the
 other (cross), and in-sample for comparison. Also prints how often each kind of proposed token is
 where a copy breaks.
@@ -60,7 +62,12 @@ for k in sorted(set(accepted) | set(broke)):
 
 
 def features(path, j, repeat):
-    return min(repeat, 16), kind(path[j]), min(j, 4)
+    return min(repeat, 16), kind(path[j]), j
+
+
+def bucket(repeat):
+    """The engine's calibration buckets (`src/draft/lookup.rs`)."""
+    return repeat if repeat <= 4 else 5 if repeat <= 7 else 6 if repeat <= 11 else 7
 
 
 def fit(part, use):
@@ -88,15 +95,16 @@ def time_of(part, p_next, use):
 
 uses = {
     "repeat": lambda k: (k[0],),
-    "repeat + depth": lambda k: (k[0], k[2]),
+    "repeat + depth": lambda k: (k[0], min(k[2], 4)),
     "repeat + kind": lambda k: (k[0], k[1]),
-    "repeat + kind + depth": lambda k: k,
+    "repeat + kind + depth": lambda k: (k[0], k[1], min(k[2], 4)),
+    "repeat extended (engine)": lambda k: (bucket(k[0] + k[2]),),
 }
 half = len(seqs) // 2
 A, B = seqs[:half], seqs[half:]
 plain_a, plain_b = sum(map(len, A)) * cost(1), sum(map(len, B)) * cost(1)
-print("features (x plain)      in-sample A / B   fitted on the other half A / B")
+print("features (x plain)         in-sample A / B   fitted on the other half A / B")
 for name, use in uses.items():
     ins = plain_a / time_of(A, fit(A, use), use), plain_b / time_of(B, fit(B, use), use)
     cross = plain_a / time_of(A, fit(B, use), use), plain_b / time_of(B, fit(A, use), use)
-    print(f"{name:<23} {ins[0]:.3f} / {ins[1]:.3f}     {cross[0]:.3f} / {cross[1]:.3f}")
+    print(f"{name:<26} {ins[0]:.3f} / {ins[1]:.3f}     {cross[0]:.3f} / {cross[1]:.3f}")
