@@ -371,10 +371,8 @@ struct Slot {
     pending: Vec<f32>,
     pending_pos0: usize,
     /// The look-up's index of this conversation, brought up to date when a run with
-    /// look-up drafts (so it costs nothing otherwise), and how often the target took
-    /// its proposals in the current run (starting from `Engine::lookup_learned`).
+    /// look-up drafts (so it costs nothing otherwise).
     lookup: NgramIndex,
-    lookup_calibration: lookup::Calibration,
 }
 
 /// What one run does in a cycle.
@@ -605,6 +603,7 @@ impl Engine {
             next: 0,
             finish: None,
             speculative,
+            lookup_calibration: lookup::Calibration::learning_from(&self.lookup_learned),
             t_start,
             t_end: None,
             single_next: false,
@@ -616,9 +615,6 @@ impl Engine {
                 self.llama_ngram = Some((kind, UpstreamDrafter::ngram(kind, &self.target, self.slots.len())?));
             }
             self.llama_ngram.as_mut().expect("made above").1.begin(slot as i32, prompt)?;
-        }
-        if speculative && opts.lookup {
-            self.slots[slot].lookup_calibration = lookup::Calibration::learning_from(&self.lookup_learned);
         }
         if let Some(g) = run.grammar.as_mut().filter(|_| !self.target.model().is_eog(first)) {
             g.accept(first)?;
@@ -738,7 +734,7 @@ impl Engine {
             // A confident look-up saves the drafter call: it is expected to be taken at
             // least as far as the drafter's drafts have been lately.
             let lookup_expected = lookup.as_ref().map_or(0.0, |l| {
-                self.cost.expected_accepted(&l.path(&self.slots[run.slot].lookup_calibration))
+                self.cost.expected_accepted(&l.path(&run.lookup_calibration))
             });
             let use_drafter = max_draft > 0
                 && self.drafter.is_some()
@@ -832,7 +828,7 @@ impl Engine {
         }
         let branch = run.opts.select == SelectMode::Tree && trees;
         let greedy = run.sampler.is_greedy();
-        let calibration = &self.slots[p.slot].lookup_calibration;
+        let calibration = &run.lookup_calibration;
         // At T > 0 a look-up draft is a chain: its tokens are one-hot proposals, and
         // siblings in a rejection-sampled tree must share one proposal law.
         let lookup = p.lookup.as_ref().map(|l| {
@@ -1086,7 +1082,7 @@ impl Engine {
             let tested = path.iter().filter(|&&i| tree.nodes[i].origin.from_lookup()).map(|&i| (tree.nodes[i].depth, true));
             for (depth, taken) in tested.chain(rejected.then_some((rejected_depth, false))) {
                 let repeat = proposal.repeat_at(depth);
-                self.slots[p.slot].lookup_calibration.record(repeat, taken);
+                run.lookup_calibration.record(repeat, taken);
                 self.lookup_learned.record(repeat, taken);
             }
         }
@@ -1522,6 +1518,9 @@ pub struct Run {
     next: Token,
     finish: Option<FinishReason>,
     speculative: bool,
+    /// How often the target took look-up proposals in this run, starting from what earlier
+    /// runs showed (`Engine::lookup_learned`).
+    lookup_calibration: lookup::Calibration,
     t_start: Instant,
     /// When the generation ended (its timings stop there).
     t_end: Option<Instant>,

@@ -130,6 +130,11 @@ def replay(rows, ngram):
     return steps
 
 
+def bucket(repeat):
+    """The engine's look-up calibration buckets (`src/draft/lookup.rs`)."""
+    return repeat if repeat <= 4 else 5 if repeat <= 7 else 6 if repeat <= 11 else 7
+
+
 def best_length(at_least, cost):
     """The draft length with the most expected tokens per ms, given at_least[d - 1] = P(at
     least d drafted tokens accepted); 0 (a plain step) when none beats it."""

@@ -65,11 +65,6 @@ def features(path, j, repeat):
     return min(repeat, 16), kind(path[j]), j
 
 
-def bucket(repeat):
-    """The engine's calibration buckets (`src/draft/lookup.rs`)."""
-    return repeat if repeat <= 4 else 5 if repeat <= 7 else 6 if repeat <= 11 else 7
-
-
 def fit(part, use):
     """P(token accepted | the ones before it were), by use(features), with add-one smoothing."""
     took, seen = defaultdict(int), defaultdict(int)
@@ -98,7 +93,7 @@ uses = {
     "repeat + depth": lambda k: (k[0], min(k[2], 4)),
     "repeat + kind": lambda k: (k[0], k[1]),
     "repeat + kind + depth": lambda k: (k[0], k[1], min(k[2], 4)),
-    "repeat extended (engine)": lambda k: (bucket(k[0] + k[2]),),
+    "repeat extended (engine)": lambda k: (lc.bucket(k[0] + k[2]),),
 }
 half = len(seqs) // 2
 A, B = seqs[:half], seqs[half:]

@@ -23,11 +23,6 @@ lc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lc)
 
 
-def bucket(repeat):
-    """The engine's calibration buckets (`src/draft/lookup.rs`)."""
-    return repeat if repeat <= 4 else 5 if repeat <= 7 else 6 if repeat <= 11 else 7
-
-
 class Calibration:
     def __init__(self, learned=None, most=2.0):
         self.tested, self.accepted = [0] * 8, [0] * 8
@@ -42,8 +37,8 @@ class Calibration:
         return min((self.accepted[b] + w * self.prior[b]) / (self.tested[b] + w), 0.98)
 
     def record(self, repeat, taken):
-        self.tested[bucket(repeat)] += 1
-        self.accepted[bucket(repeat)] += taken
+        self.tested[lc.bucket(repeat)] += 1
+        self.accepted[lc.bucket(repeat)] += taken
 
 
 def speedup(seqs, cost, extend, shared, most=8.0):
@@ -57,7 +52,7 @@ def speedup(seqs, cost, extend, shared, most=8.0):
             if path:
                 at_least, reach = [], 1.0
                 for j in range(len(path)):
-                    reach *= cal.bucket_rate(bucket(repeat + j if extend else repeat))
+                    reach *= cal.bucket_rate(lc.bucket(repeat + j if extend else repeat))
                     at_least.append(reach)
                 d = lc.best_length(at_least, cost)
             total += cost(d + 1)
