@@ -33,6 +33,24 @@ fn main() {
     }
     build.compile("dflash2_shim");
 
+    // The few-row AMX kernels read ggml's CPU internals and are built for the CPU ggml was
+    // built for: with `-march=native` where llama.cpp is (GGML_NATIVE), else as a stub.
+    let native = cache.lines().any(|l| l == "GGML_NATIVE:BOOL=ON");
+    let mut kernels = cc::Build::new();
+    kernels.cpp(true).std("c++17").file("vendor/amx_few_rows.cpp").warnings(false);
+    for dir in includes.iter().chain([&src_dir.join("ggml/src")]) {
+        kernels.include(dir);
+    }
+    kernels.include("vendor");
+    if native {
+        kernels.flag("-march=native");
+    }
+    kernels.compile("dflash2_amx_few_rows");
+    // A probe cached by an earlier build of these kernels must not stand for this one.
+    let source = fs::read("vendor/amx_few_rows.cpp").expect("cannot read vendor/amx_few_rows.cpp");
+    let hash = source.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3));
+    println!("cargo:rustc-env=DFLASH2_KERNELS_HASH={hash:016x}{}", if native { " native" } else { "" });
+
     let bindings = bindgen::Builder::default()
         .header("vendor/dflash2_shim.h")
         .clang_arg(format!("-I{}", include.display()))
@@ -52,5 +70,6 @@ fn main() {
     println!("cargo:rustc-env=DFLASH2_LLAMA_INCLUDE={}", include.display());
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.cpp");
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.h");
+    println!("cargo:rerun-if-changed=vendor/amx_few_rows.cpp");
     println!("cargo:rerun-if-changed=build.rs");
 }

@@ -12,7 +12,7 @@ use dflash2::target::{load_target, probe, probe_at, Repack};
 use std::sync::Arc;
 
 /// Every size the engine verifies: paths of block 4, 8, 16 (and one past), trees of 32 nodes.
-const VERIFY_BATCHES: [usize; 9] = [2, 3, 4, 5, 8, 9, 16, 17, 33];
+const VERIFY_BATCHES: [usize; 10] = [2, 3, 4, 5, 6, 8, 9, 16, 17, 33];
 
 fn engine_params(threads: i32, cache_k: CacheType) -> ContextParams {
     let mut cfg = EngineConfig::new(Default::default(), None);
@@ -63,6 +63,30 @@ fn smollm2_q4_1_verify_batches_are_bit_identical_as_loaded() {
 /// (the engine turns it off) a Q4_K_M batch of 8 rows or more differs from single steps on x86.
 /// A real difference from the kernels, not a simulated one; the decision logic over any probe
 /// outcome is unit-tested in `src/target.rs`.
+/// On a CPU with AMX, llama.cpp multiplies two or more rows with tiles made for 32, and the
+/// engine gives its q4_0 / q4_1 / q8_0 weights few-row kernels instead (vendor/amx_few_rows.cpp).
+/// There they must take every such weight (or what runs is not what was measured), and round
+/// each row as a single step does at every size they take and one past it, with 1 and 2 threads.
+#[test]
+fn few_row_kernels_take_the_amx_weights_and_round_like_single_steps() {
+    let model = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
+    let amx = dflash2::llama::system_info().contains("AMX_INT8 = 1");
+    let n = model.few_row_weights();
+    if amx {
+        // 30 layers of 7 matrices, and the output head
+        assert_eq!(n, 30 * 7 + 1, "an AMX CPU, but {n} of SmolLM2's weights take the few-row kernels");
+    } else {
+        assert!(n <= 0, "no AMX here, yet {n} weights took the few-row kernels");
+    }
+    for threads in [1, 2] {
+        let params = engine_params(threads, CacheType::F16);
+        let p = probe_at(&model, &params, &[2, 3, 4, 5, 6, 7], false, 300).unwrap();
+        for c in &p.checks {
+            assert!(c.identical, "{threads} threads: {} rows differ from single steps by up to {}", c.batch, c.max_abs_diff);
+        }
+    }
+}
+
 #[test]
 fn forcing_repacking_on_qwen_is_reported_when_it_breaks_invariance() {
     let params = engine_params(2, CacheType::F16);

@@ -215,8 +215,12 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     };
     let context = args.context.unwrap_or(4).max(1);
     let mut probes = Vec::new();
+    let mut few_row_weights = 0;
     for repack in [true, false] {
         let model = Arc::new(Model::load(&args.file, &ModelParams { n_gpu_layers: args.gpu_layers, repack })?);
+        if repack {
+            few_row_weights = model.few_row_weights();
+        }
         let runs = (0..args.runs.max(1))
             .map(|_| crate::target::probe_at(&model, &params, &args.batches, false, context))
             .collect::<Result<Vec<_>, _>>()?;
@@ -230,7 +234,7 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     if args.json {
         let out = serde_json::json!({ "file": args.file, "threads": args.threads, "cache_type_k": args.cache_type_k.name(),
             "cache_type_v": args.cache_type_v.name(), "context": context, "flash_attn_ref": args.flash_attn_ref,
-            "system_info": crate::llama::system_info(), "probes": probes, "choice": choice });
+            "system_info": crate::llama::system_info(), "few_row_weights": few_row_weights, "probes": probes, "choice": choice });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
@@ -257,6 +261,9 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         }
     }
     println!("(decode times: medians over {} probe(s), logits for every row)", args.runs.max(1));
+    if few_row_weights > 0 {
+        println!("repacked for AMX: {few_row_weights} weights multiply 2-6 rows with dflash2's few-row kernels");
+    }
     println!("choice: {choice}");
     Ok(())
 }

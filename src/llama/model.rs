@@ -44,6 +44,8 @@ pub struct Model {
     vocab: NonNull<sys::llama_vocab>,
     path: String,
     repacked: bool,
+    /// Weights whose products of 2-6 rows run the few-row AMX kernels (-1: not in this build).
+    few_row_weights: i32,
     n_gpu_layers: i32,
     /// False for a frontend's model ([`Model::borrow_raw`]): it frees its own.
     owned: bool,
@@ -80,7 +82,18 @@ impl Model {
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::LoadModel { path: shown.clone() })?;
-        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default(), verify_tolerance: Default::default() })
+        // Weights repacked for AMX: products of 2-6 rows (short verifies) without AMX's 32-row
+        // tiles, rounding as single steps do (vendor/amx_few_rows.cpp). The environment switch
+        // is for measuring them against ggml's own.
+        let few_row_weights = if params.repack && std::env::var_os("DFLASH2_NO_FEW_ROW_KERNELS").is_none() {
+            unsafe { shim::dflash2_model_few_row_kernels(ptr.as_ptr()) }
+        } else {
+            0
+        };
+        if few_row_weights > 0 {
+            tracing::debug!("{shown}: {few_row_weights} AMX weights take few-row products");
+        }
+        Ok(Self { ptr, vocab, path: shown, repacked: params.repack, few_row_weights, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default(), verify_tolerance: Default::default() })
     }
 
     /// A model a frontend loaded and keeps: used, never freed, here.
@@ -95,7 +108,7 @@ impl Model {
         let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
             .ok_or_else(|| LlamaError::Invalid(format!("{name} has no vocabulary")))?;
         // Offload is the frontend's; only the drafter's own context reads this (0 = CPU).
-        Ok(Self { ptr, vocab, path: name.to_string(), repacked: false, n_gpu_layers: -1, owned: false, fixed_threads: Default::default(), verify_tolerance: Default::default() })
+        Ok(Self { ptr, vocab, path: name.to_string(), repacked: false, few_row_weights: 0, n_gpu_layers: -1, owned: false, fixed_threads: Default::default(), verify_tolerance: Default::default() })
     }
 
     /// Contexts of this model keep their thread count (the probe found that it changes the
@@ -146,6 +159,12 @@ impl Model {
     /// Layers offloaded to a GPU as asked at load ([`ModelParams::n_gpu_layers`]).
     pub fn n_gpu_layers(&self) -> i32 {
         self.n_gpu_layers
+    }
+
+    /// How many weights multiply 2-6 rows with the few-row AMX kernels: 0 where none was
+    /// repacked for AMX (or repacking is off), -1 where this build has no AMX.
+    pub fn few_row_weights(&self) -> i32 {
+        self.few_row_weights
     }
 
     /// Whether llama.cpp was allowed to repack the weights ([`ModelParams::repack`]).
