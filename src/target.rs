@@ -261,7 +261,7 @@ pub fn load_target(
             params.n_threads
         );
     }
-    let on_cpu = !unsafe { llama_cpp_sys_2::llama_supports_gpu_offload() } || n_gpu_layers == 0;
+    let on_cpu = !crate::llama::gpu_offload_supported() || n_gpu_layers == 0;
     if on_cpu && params.cache_k == CacheType::F16 && crate::llama::system_info().contains("AVX512_BF16 = 1") {
         // measured on Sapphire Rapids: attention ~2x cheaper, plain decoding 1.10x, look-up 1.27x (BENCHMARKS (k), (l))
         tracing::info!(

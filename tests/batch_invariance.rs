@@ -58,11 +58,6 @@ fn smollm2_q4_1_verify_batches_are_bit_identical_as_loaded() {
     }
 }
 
-/// The probe detects a difference where there is one: the very same model probed in a context
-/// whose batch kernels are known to round differently here. With ggml's tiled K-quant kernel on
-/// (the engine turns it off) a Q4_K_M batch of 8 rows or more differs from single steps on x86.
-/// A real difference from the kernels, not a simulated one; the decision logic over any probe
-/// outcome is unit-tested in `src/target.rs`.
 /// On a CPU with AMX, llama.cpp multiplies two or more rows with tiles made for 32, and the
 /// engine gives its q4_0 / q4_1 / q8_0 weights few-row kernels instead (vendor/amx_few_rows.cpp).
 /// There they must take every such weight (or what runs is not what was measured), and round
@@ -87,6 +82,11 @@ fn few_row_kernels_take_the_amx_weights_and_round_like_single_steps() {
     }
 }
 
+/// The probe detects a difference where there is one: the very same model probed in a context
+/// whose batch kernels are known to round differently here. With ggml's tiled K-quant kernel on
+/// (the engine turns it off) a Q4_K_M batch of 8 rows or more differs from single steps on x86.
+/// A real difference from the kernels, not a simulated one; the decision logic over any probe
+/// outcome is unit-tested in `src/target.rs`.
 #[test]
 fn forcing_repacking_on_qwen_is_reported_when_it_breaks_invariance() {
     let params = engine_params(2, CacheType::F16);

@@ -29,8 +29,8 @@ uint32_t        dflash2_model_target_layer_ids_n(const struct llama_model * mode
 int32_t         dflash2_set_cpu_reference(struct llama_context * ctx, bool value);
 
 /* ---- few-row products on AMX CPUs (vendor/amx_few_rows.cpp) ----
- * Has model's q4_0 / q4_1 / q8_0 weights in llama.cpp's AMX buffer multiplied by 2-4 rows with kernels
- * that round each row as a single-row product does, instead of AMX tiles made for 32 rows.
+ * Makes llama.cpp multiply model's q4_0 / q4_1 / q8_0 weights in its AMX buffer by 2-6 rows with
+ * kernels that round each row as a single-row product does, instead of AMX tiles made for 32 rows.
  * Returns how many weights it took (0: none repacked for AMX), or -1 where this build has no AMX. */
 int32_t         dflash2_model_few_row_kernels(struct llama_model * model);
 

@@ -614,7 +614,7 @@ fn kv_bytes(model: &Model, params: &ContextParams) -> f64 {
 /// allocation can succeed (the kernel overcommits) and the first write then has the process
 /// killed, with no message. Only where the cache lives in host memory (CPU builds).
 fn check_memory(model: &Model, params: &ContextParams) -> Result<()> {
-    if unsafe { sys::llama_supports_gpu_offload() } && model.n_gpu_layers() != 0 {
+    if super::gpu_offload_supported() && model.n_gpu_layers() != 0 {
         return Ok(());
     }
     let Some(available) = mem_available() else { return Ok(()) };

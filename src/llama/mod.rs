@@ -52,6 +52,11 @@ pub type Result<T> = std::result::Result<T, LlamaError>;
 static BACKEND: Once = Once::new();
 const TILED_MM: &str = "GGML_CPU_TILED_MM";
 
+/// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
+pub fn gpu_offload_supported() -> bool {
+    unsafe { llama_cpp_sys_2::llama_supports_gpu_offload() }
+}
+
 /// What llama.cpp was built to use on this machine (its CPU features and backends).
 pub fn system_info() -> String {
     init_backend();
