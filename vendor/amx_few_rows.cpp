@@ -51,9 +51,18 @@ inline size_t tile_size(ggml_type type) {
     }
 }
 
-// The activations' type for a weight type (ggml's vec_dot_type): q8_1 beside q4_1, else q8_0.
-inline size_t activation_row_size(ggml_type type, int KB) {
-    return size_t(KB) * (type == GGML_TYPE_Q4_1 ? sizeof(block_q8_1) : sizeof(block_q8_0));
+// The activations' block for a weight type (ggml's vec_dot_type: q8_1 beside q4_1, else q8_0)
+// and the quantizer ggml fills it with.
+struct activation_type {
+    size_t block_size;
+    void (*quantize)(const float *, void *, int64_t);
+};
+
+inline activation_type activation_for(ggml_type type) {
+    if (type == GGML_TYPE_Q4_1) {
+        return { sizeof(block_q8_1), quantize_row_q8_1 };
+    }
+    return { sizeof(block_q8_0), quantize_row_q8_0 };
 }
 
 inline bool few_row_type(ggml_type type) {
@@ -62,6 +71,17 @@ inline bool few_row_type(ggml_type type) {
 
 inline float fp16_to_fp32(ggml_half h) { return _cvtsh_ss(h); }
 
+// A 4-bit tile block's 32 k as 8 registers of unsigned bytes, in the order of the a values they
+// multiply (low nibbles of each 64 bytes, then high), as ggml's kernels unpack them.
+inline void unpack_nibbles(const char * b, __m512i vb[8]) {
+    const __m512i low = _mm512_set1_epi8(0xF);
+    for (int k = 0; k < 8; k += 2) {
+        const __m512i bytes = _mm512_loadu_si512((const __m512i *) (b + k * 32));
+        vb[k] = _mm512_and_si512(bytes, low);
+        vb[k + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+    }
+}
+
 // Rows m < M of C[m][0..16*COLS) = A[m] x B for one group of COLS column tiles, A being M rows of
 // KB activation blocks. q4_0 weights: as tinygemm_kernel_vnni<q8_0, q4_0> computes each row.
 template <int M, int COLS>
@@ -69,7 +89,6 @@ void q4_0_rows(int KB, const void * A_, const char * B, float * C, int ldc) {
     const block_q8_0 * A = static_cast<const block_q8_0 *>(A_);
     const size_t TILE_SIZE = tile_size(GGML_TYPE_Q4_0);
     const __m512i off = _mm512_set1_epi8(8);
-    const __m512i low = _mm512_set1_epi8(0xF);
     __m512 vc[M][COLS];
     for (int m = 0; m < M; ++m)
         for (int c = 0; c < COLS; ++c) vc[m][c] = _mm512_setzero_ps();
@@ -86,11 +105,7 @@ void q4_0_rows(int KB, const void * A_, const char * B, float * C, int ldc) {
         for (int c = 0; c < COLS; ++c) {
             const char * b = B + packed_index(c, i, KB, TILE_SIZE);
             __m512i vb[8];
-            for (int k = 0; k < 8; k += 2) {
-                const __m512i bytes = _mm512_loadu_si512((const __m512i *) (b + k * 32));
-                vb[k] = _mm512_and_si512(bytes, low);
-                vb[k + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-            }
+            unpack_nibbles(b, vb);
             const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (b + TILE_N * TILE_K / 2)));
             for (int m = 0; m < M; ++m) {
                 const int32_t * a = reinterpret_cast<const int32_t *>(A[m * KB + i].qs);
@@ -145,7 +160,6 @@ template <int M, int COLS>
 void q4_1_rows(int KB, const void * A_, const char * B, float * C, int ldc) {
     const block_q8_1 * A = static_cast<const block_q8_1 *>(A_);
     const size_t TILE_SIZE = tile_size(GGML_TYPE_Q4_1);
-    const __m512i low = _mm512_set1_epi8(0xF);
     __m512 vc[M][COLS];
     for (int m = 0; m < M; ++m)
         for (int c = 0; c < COLS; ++c) vc[m][c] = _mm512_setzero_ps();
@@ -158,11 +172,7 @@ void q4_1_rows(int KB, const void * A_, const char * B, float * C, int ldc) {
         for (int c = 0; c < COLS; ++c) {
             const char * b = B + packed_index(c, i, KB, TILE_SIZE);
             __m512i vb[8];
-            for (int k = 0; k < 8; k += 2) {
-                const __m512i bytes = _mm512_loadu_si512((const __m512i *) (b + k * 32));
-                vb[k] = _mm512_and_si512(bytes, low);
-                vb[k + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-            }
+            unpack_nibbles(b, vb);
             const int offset = TILE_N * TILE_K / 2;
             const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (b + offset)));
             const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (b + offset + TILE_N * sizeof(ggml_half))));
@@ -188,34 +198,33 @@ void rows_cols(ggml_type type, int KB, const void * A, const char * B, float * C
     }
 }
 
-// M rows by `cols` column tiles (1 to 4) of a weight of `type`.
+// M rows by `cols` column tiles of a weight of `type`, in groups as wide as the registers allow:
+// the M x COLS accumulators and the 8 unpacked weight registers within 32, so 4 tiles at a time
+// up to 3 rows and 2 beyond.
 template <int M>
-void rows_for_type(ggml_type type, int cols, int KB, const void * A, const char * B, float * C, int ldc) {
-    switch (cols) {
-        case 4: rows_cols<M, 4>(type, KB, A, B, C, ldc); break;
-        case 2: rows_cols<M, 2>(type, KB, A, B, C, ldc); break;
-        case 1: rows_cols<M, 1>(type, KB, A, B, C, ldc); break;
-        default:  // 3 = 2 + 1
-            rows_cols<M, 2>(type, KB, A, B, C, ldc);
-            rows_cols<M, 1>(type, KB, A, B + packed_index(2, 0, KB, tile_size(type)), C + 2 * TILE_N, ldc);
+void rows_in_groups(ggml_type type, int cols, int KB, const void * A, const char * B, float * C, int ldc) {
+    constexpr int WIDE = M <= 3 ? 4 : 2;
+    for (int h = 0; h < cols;) {
+        const int left = std::min(WIDE, cols - h);
+        const int n = left == 3 ? 2 : left;  // 3 tiles: 2, then 1
+        const char * b = B + packed_index(h, 0, KB, tile_size(type));
+        float * c = C + h * TILE_N;
+        switch (n) {
+            case 4: if constexpr (WIDE == 4) rows_cols<M, 4>(type, KB, A, b, c, ldc); break;
+            case 2: rows_cols<M, 2>(type, KB, A, b, c, ldc); break;
+            default: rows_cols<M, 1>(type, KB, A, b, c, ldc); break;
+        }
+        h += n;
     }
 }
 
-// M (2 to 6) rows by `cols` column tiles. Past 3 rows, 2 tiles at a time, so that the M x COLS
-// accumulators and the 8 unpacked weight registers stay within the 32 vector registers.
 void rows(int M, ggml_type type, int cols, int KB, const void * A, const char * B, float * C, int ldc) {
-    if (M <= 3) {
-        (M == 2 ? rows_for_type<2> : rows_for_type<3>)(type, cols, KB, A, B, C, ldc);
-        return;
-    }
-    for (int h = 0; h < cols; h += 2) {
-        const int n = std::min(2, cols - h);
-        const char * b = B + packed_index(h, 0, KB, tile_size(type));
-        switch (M) {
-            case 4: rows_for_type<4>(type, n, KB, A, b, C + h * TILE_N, ldc); break;
-            case 5: rows_for_type<5>(type, n, KB, A, b, C + h * TILE_N, ldc); break;
-            default: rows_for_type<6>(type, n, KB, A, b, C + h * TILE_N, ldc); break;
-        }
+    switch (M) {
+        case 2: rows_in_groups<2>(type, cols, KB, A, B, C, ldc); break;
+        case 3: rows_in_groups<3>(type, cols, KB, A, B, C, ldc); break;
+        case 4: rows_in_groups<4>(type, cols, KB, A, B, C, ldc); break;
+        case 5: rows_in_groups<5>(type, cols, KB, A, B, C, ldc); break;
+        default: rows_in_groups<6>(type, cols, KB, A, B, C, ldc); break;
     }
 }
 
@@ -245,15 +254,11 @@ class few_rows_traits : public ggml::cpu::tensor_traits {
         const int ldc = (int) (op->nb[1] / op->nb[0]);
         // The activation rows to ggml's type for this weight (q8_1 beside q4_1, else q8_0), as ggml
         // quantizes them, a row per thread; then one barrier.
-        const size_t row_size = activation_row_size(w->type, KB);
+        const activation_type act = activation_for(w->type);
+        const size_t row_size = size_t(KB) * act.block_size;
         char * a = static_cast<char *>(params->wdata);
         for (int m = params->ith; m < M; m += params->nth) {
-            const float * row = (const float *) ((const char *) x->data + m * x->nb[1]);
-            if (w->type == GGML_TYPE_Q4_1) {
-                quantize_row_q8_1(row, a + m * row_size, K);
-            } else {
-                quantize_row_q8_0(row, a + m * row_size, K);
-            }
+            act.quantize((const float *) ((const char *) x->data + m * x->nb[1]), a + m * row_size, K);
         }
         ggml_barrier(params->threadpool);
         // Split the column tiles in groups of 4 between threads, as ggml's single-row path does.
