@@ -10,6 +10,9 @@ use std::env;
 use std::fs;
 use std::path::PathBuf;
 
+/// dflash2's own CPU kernels, plugged into ggml's CPU backend.
+const KERNELS: &[&str] = &["vendor/amx_few_rows.cpp", "vendor/f16_attention.cpp"];
+
 fn main() {
     let root = PathBuf::from(
         env::var("DEP_LLAMA_ROOT").expect("DEP_LLAMA_ROOT not set: llama-cpp-sys-2 must be a direct dependency"),
@@ -33,11 +36,12 @@ fn main() {
     }
     build.compile("dflash2_shim");
 
-    // The few-row AMX kernels read ggml's CPU internals and are built for the CPU ggml was
-    // built for: with `-march=native` where llama.cpp is (GGML_NATIVE), else as a stub.
+    // The kernels (few-row AMX products, f16 attention) read ggml's CPU internals and are built
+    // for the CPU ggml was built for: with `-march=native` where llama.cpp is (GGML_NATIVE),
+    // else as stubs.
     let native = cache.lines().any(|l| l == "GGML_NATIVE:BOOL=ON");
     let mut kernels = cc::Build::new();
-    kernels.cpp(true).std("c++17").file("vendor/amx_few_rows.cpp").warnings(false);
+    kernels.cpp(true).std("c++17").files(KERNELS).warnings(false);
     for dir in includes.iter().chain([&src_dir.join("ggml/src")]) {
         kernels.include(dir);
     }
@@ -45,9 +49,9 @@ fn main() {
     if native {
         kernels.flag("-march=native");
     }
-    kernels.compile("dflash2_amx_few_rows");
+    kernels.compile("dflash2_kernels");
     // A probe cached by an earlier build of these kernels must not stand for this one.
-    let source = fs::read("vendor/amx_few_rows.cpp").expect("cannot read vendor/amx_few_rows.cpp");
+    let source: Vec<u8> = KERNELS.iter().flat_map(|f| fs::read(f).unwrap_or_else(|e| panic!("cannot read {f}: {e}"))).collect();
     let hash = source.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3));
     println!("cargo:rustc-env=DFLASH2_KERNELS_HASH={hash:016x}{}", if native { " native" } else { "" });
 
@@ -70,6 +74,8 @@ fn main() {
     println!("cargo:rustc-env=DFLASH2_LLAMA_INCLUDE={}", include.display());
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.cpp");
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.h");
-    println!("cargo:rerun-if-changed=vendor/amx_few_rows.cpp");
+    for file in KERNELS {
+        println!("cargo:rerun-if-changed={file}");
+    }
     println!("cargo:rerun-if-changed=build.rs");
 }

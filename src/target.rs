@@ -262,11 +262,17 @@ pub fn load_target(
         );
     }
     let on_cpu = !crate::llama::gpu_offload_supported() || n_gpu_layers == 0;
-    if on_cpu && params.cache_k == CacheType::F16 && crate::llama::system_info().contains("AVX512_BF16 = 1") {
-        // measured on Sapphire Rapids: attention ~2x cheaper, plain decoding 1.10x, look-up 1.27x (BENCHMARKS (k), (l))
+    if on_cpu
+        && params.cache_k == CacheType::F16
+        && !crate::llama::f16_attention_on()
+        && crate::llama::system_info().contains("AVX512_BF16 = 1")
+    {
+        // ggml's own f16 attention converts every cached element; with bf16 it uses vdpbf16ps
+        // (BENCHMARKS (k)). dflash2's f16 kernel, when on, is faster than either (BENCHMARKS (m)).
         tracing::info!(
-            "this CPU has bf16 dot products (AVX512-BF16): a bf16 target cache (-ctk bf16 -ctv bf16) makes the target's \
-             attention about half as costly; it changes the target's text, as any cache type does (README)"
+            "this CPU has bf16 dot products (AVX512-BF16) and dflash2's f16 attention kernel is off: a bf16 target \
+             cache (-ctk bf16 -ctv bf16) makes the target's attention cheaper; it changes the target's text, as any \
+             cache type does (README)"
         );
     }
     if choice.lossless {
@@ -395,11 +401,11 @@ impl ProbeCache {
     }
 }
 
-/// ggml's switches from the environment (`GGML_CPU_TILED_MM`, ...) and dflash2's own kernels' switch:
+/// ggml's switches from the environment (`GGML_CPU_TILED_MM`, ...) and dflash2's own kernels' switches:
 /// they change the kernels that run.
 fn ggml_env() -> String {
     let mut vars: Vec<String> = std::env::vars()
-        .filter(|(k, _)| k.starts_with("GGML_") || k.starts_with("LLAMA_") || k == "DFLASH2_NO_FEW_ROW_KERNELS")
+        .filter(|(k, _)| k.starts_with("GGML_") || k.starts_with("LLAMA_") || crate::llama::KERNEL_SWITCHES.contains(&k.as_str()))
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     vars.sort();

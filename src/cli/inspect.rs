@@ -234,7 +234,8 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     if args.json {
         let out = serde_json::json!({ "file": args.file, "threads": args.threads, "cache_type_k": args.cache_type_k.name(),
             "cache_type_v": args.cache_type_v.name(), "context": context, "flash_attn_ref": args.flash_attn_ref,
-            "system_info": crate::llama::system_info(), "few_row_weights": few_row_weights, "probes": probes, "choice": choice });
+            "system_info": crate::llama::system_info(), "few_row_weights": few_row_weights,
+            "f16_attention": crate::llama::f16_attention_on(), "probes": probes, "choice": choice });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
@@ -263,6 +264,9 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     println!("(decode times: medians over {} probe(s), logits for every row)", args.runs.max(1));
     if few_row_weights > 0 {
         println!("repacked for AMX: {few_row_weights} weights multiply 2-6 rows with dflash2's few-row kernels");
+    }
+    if crate::llama::f16_attention_on() {
+        println!("attention over an f16 cache: dflash2's kernel (rounds as ggml's; DFLASH2_NO_F16_ATTENTION=1 for ggml's)");
     }
     println!("choice: {choice}");
     Ok(())

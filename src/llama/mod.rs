@@ -23,6 +23,7 @@ pub use model::{apply_llama_template, builtin_chat_templates, quantize, ChatMess
 pub use sampler::{ForeignChain, Terminal};
 pub use upstream::{UpstreamDrafter, LLAMA_NGRAM_TYPES};
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 
 pub type Token = i32;
@@ -50,7 +51,12 @@ pub enum LlamaError {
 pub type Result<T> = std::result::Result<T, LlamaError>;
 
 static BACKEND: Once = Once::new();
+static F16_ATTENTION: AtomicBool = AtomicBool::new(false);
 const TILED_MM: &str = "GGML_CPU_TILED_MM";
+
+/// The environment switches that give ggml's own kernels back in place of dflash2's (for A/B
+/// measurements); they change the kernels that run, so the probe cache keys on them.
+pub const KERNEL_SWITCHES: &[&str] = &["DFLASH2_NO_FEW_ROW_KERNELS", "DFLASH2_NO_F16_ATTENTION"];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -85,5 +91,26 @@ pub fn init_backend() {
         if let Ok(backend) = llama_cpp_2::llama_backend::LlamaBackend::init() {
             std::mem::forget(backend);
         }
+        // Attention over an f16 cache for a few query rows, each output rounded as ggml's own
+        // kernel rounds it, each cache row converted once for all its queries
+        // (vendor/f16_attention.cpp).
+        if std::env::var_os("DFLASH2_NO_F16_ATTENTION").is_none() {
+            set_f16_attention(true);
+        }
     });
+}
+
+/// Turns dflash2's kernel for attention over f16 caches on or off for the whole process
+/// (vendor/f16_attention.cpp; off gives ggml's own back, for comparisons). Returns whether it
+/// is on: false where this build has no such kernel (no AVX-512).
+pub fn set_f16_attention(on: bool) -> bool {
+    let state = unsafe { shim::dflash2_set_f16_attention(on) };
+    F16_ATTENTION.store(state == 1, Ordering::Relaxed);
+    state == 1
+}
+
+/// Whether dflash2's kernel computes this process's attention over f16 caches.
+pub fn f16_attention_on() -> bool {
+    init_backend();
+    F16_ATTENTION.load(Ordering::Relaxed)
 }
