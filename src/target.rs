@@ -229,6 +229,8 @@ pub fn load_target(
     repack: Repack,
     params: &ContextParams,
 ) -> Result<(Arc<Model>, TargetChoice), LlamaError> {
+    // before the probe, which must see the kernels the target will run with
+    crate::llama::install_kernels();
     let cache = ProbeCache::new(path, n_gpu_layers, params);
     let load = |repack: bool| Model::load(path, &ModelParams { n_gpu_layers, repack }).map(Arc::new);
     // A cached probe needs no model; a fresh one is run on the model it loads.

@@ -6,20 +6,13 @@
 //! under the settings the engine can run with (threads, KV cache types, contexts past 256 cells).
 mod common;
 
-use dflash2::engine::EngineConfig;
+use common::{engine_params, tail_logits};
 use dflash2::llama::{Batch, CacheType, Context, ContextParams, Model, ModelParams};
 use dflash2::target::{load_target, probe, probe_at, Repack};
 use std::sync::Arc;
 
 /// Every size the engine verifies: paths of block 4, 8, 16 (and one past), trees of 32 nodes.
 const VERIFY_BATCHES: [usize; 10] = [2, 3, 4, 5, 6, 8, 9, 16, 17, 33];
-
-fn engine_params(threads: i32, cache_k: CacheType) -> ContextParams {
-    let mut cfg = EngineConfig::new(Default::default(), None);
-    cfg.n_threads = threads;
-    cfg.cache.target_k = cache_k;
-    cfg.target_params()
-}
 
 /// Load `file` as the engine does, then check every verify batch size under `params`.
 fn check_as_loaded(file: &str, params: &ContextParams) {
@@ -102,60 +95,6 @@ fn forcing_repacking_on_qwen_is_reported_when_it_breaks_invariance() {
     }
 }
 
-/// Logits of the last `tail` tokens of `tokens`, fed `chunk` at a time after the rest.
-fn tail_logits(model: &Arc<Model>, tokens: &[i32], tail: usize, chunk: usize) -> Vec<Vec<f32>> {
-    let params = ContextParams { n_ctx: 1024, ..engine_params(2, CacheType::F16) };
-    let mut ctx = Context::new(model.clone(), &params, None).unwrap();
-    let mut b = Batch::tokens(512, 1);
-    let n0 = tokens.len() - tail;
-    for (i, &t) in tokens[..n0].iter().enumerate() {
-        b.add_token(t, i as i32, &[0], false).unwrap();
-    }
-    ctx.decode(&b, "prefix").unwrap();
-    let mut out = Vec::new();
-    for start in (n0..tokens.len()).step_by(chunk) {
-        let end = (start + chunk).min(tokens.len());
-        b.clear();
-        for (i, &t) in tokens[start..end].iter().enumerate() {
-            b.add_token(t, (start + i) as i32, &[0], true).unwrap();
-        }
-        ctx.decode(&b, "tail").unwrap();
-        for r in 0..end - start {
-            out.push(ctx.logits(r).unwrap().to_vec());
-        }
-    }
-    out
-}
-
-/// Without flash attention the target's attention over its f16 cache runs dflash2's kernel
-/// (vendor/f16_attention.cpp) on every AVX-512 CPU. Every logit must keep the bits ggml's own
-/// kernel gives it: in the prompt batch, in single steps and in verify batches (one pass of a
-/// cache row serves up to 6 queries: 1, 2 and 6 rows are one pass on SmolLM2's 3 query heads per
-/// cache head, 3 and 17 are several), before and past 256 cells of cache, on both test targets.
-#[test]
-fn f16_attention_kernel_rounds_every_logit_as_ggml_does() {
-    let avx512 = dflash2::llama::system_info().contains("AVX512 = 1");
-    assert_eq!(dflash2::llama::f16_attention_on(), avx512, "the f16 attention kernel must be on exactly on AVX-512 builds");
-    for file in [common::SMOLLM2, common::QWEN_05B] {
-        let model = Arc::new(Model::load(&common::real_model(file), &ModelParams::default()).unwrap());
-        let text = "def fizzbuzz(n):\n    \"\"\"Return the FizzBuzz sequence up to n.\"\"\"\n".repeat(20);
-        let tokens = model.tokenize(&text, true, false).unwrap();
-        assert!(tokens.len() > 300, "the context must pass 256 cells");
-        for context in [120, tokens.len()] {
-            let tokens = &tokens[..context];
-            dflash2::llama::set_f16_attention(false);
-            let ggml = tail_logits(&model, tokens, 17, 1);
-            assert_eq!(dflash2::llama::set_f16_attention(avx512), avx512);
-            for chunk in [1, 2, 3, 6, 17] {
-                let ours = tail_logits(&model, tokens, 17, chunk);
-                for (row, (a, b)) in ours.iter().zip(&ggml).enumerate() {
-                    let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{file}, {context} tokens, batches of {chunk}: row {row} differs from ggml's");
-                }
-            }
-        }
-    }
-}
 
 /// Past 256 cells llama.cpp's flash-attention decode path would split the cache and round
 /// differently (the engine runs the target without it).

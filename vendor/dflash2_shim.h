@@ -38,8 +38,9 @@ int32_t         dflash2_model_few_row_kernels(struct llama_model * model);
  * Makes ggml's CPU backend compute f16 x f32 matrix products (attention over an f16 KV cache
  * without flash attention) with a kernel that rounds every output as ggml_vec_dot_f16 does,
  * converting each cache row once for the queries that read it.
- * Process-wide; `on` false gives ggml's own kernel back (for comparisons). Returns 1 when the
- * kernel is on, 0 when off (or it failed to register), -1 where this build has no AVX-512. */
+ * Process-wide, so switch it only while nothing in the process computes; `on` false gives ggml's
+ * own kernel back (for comparisons). Returns 1 when the kernel is on, 0 when off (or it failed to
+ * register), -1 where this build has no AVX-512. */
 int32_t         dflash2_set_f16_attention(bool on);
 
 /* ---- layer-input capture through cb_eval ----

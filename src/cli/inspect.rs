@@ -216,6 +216,7 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     let context = args.context.unwrap_or(4).max(1);
     let mut probes = Vec::new();
     let mut few_row_weights = 0;
+    crate::llama::install_kernels(); // the kernels a target loaded by the engine runs with
     for repack in [true, false] {
         let model = Arc::new(Model::load(&args.file, &ModelParams { n_gpu_layers: args.gpu_layers, repack })?);
         if repack {

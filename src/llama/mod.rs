@@ -51,6 +51,7 @@ pub enum LlamaError {
 pub type Result<T> = std::result::Result<T, LlamaError>;
 
 static BACKEND: Once = Once::new();
+static KERNELS: Once = Once::new();
 static F16_ATTENTION: AtomicBool = AtomicBool::new(false);
 const TILED_MM: &str = "GGML_CPU_TILED_MM";
 
@@ -91,9 +92,19 @@ pub fn init_backend() {
         if let Ok(backend) = llama_cpp_2::llama_backend::LlamaBackend::init() {
             std::mem::forget(backend);
         }
-        // Attention over an f16 cache for a few query rows, each output rounded as ggml's own
-        // kernel rounds it, each cache row converted once for all its queries
-        // (vendor/f16_attention.cpp).
+    });
+}
+
+/// Plugs dflash2's CPU kernels that serve every model into ggml's CPU backend, once per process:
+/// today the kernel for attention over an f16 cache (vendor/f16_attention.cpp: each output
+/// rounded as ggml's own kernel rounds it, each cache row converted once for the queries that
+/// read it), unless `DFLASH2_NO_F16_ATTENTION` is set. ggml's list of such kernels is not
+/// guarded against computations running meanwhile, so this runs when dflash2 loads a target of
+/// its own (`crate::target::load_target`, `inspect`), never from the frontend ABI, whose frontend
+/// may be decoding on other threads.
+pub fn install_kernels() {
+    init_backend();
+    KERNELS.call_once(|| {
         if std::env::var_os("DFLASH2_NO_F16_ATTENTION").is_none() {
             set_f16_attention(true);
         }
@@ -101,8 +112,9 @@ pub fn init_backend() {
 }
 
 /// Turns dflash2's kernel for attention over f16 caches on or off for the whole process
-/// (vendor/f16_attention.cpp; off gives ggml's own back, for comparisons). Returns whether it
-/// is on: false where this build has no such kernel (no AVX-512).
+/// (vendor/f16_attention.cpp; off gives ggml's own back, for comparisons), so only while no
+/// decode runs in the process. Returns whether it is on: false where this build has no such
+/// kernel (no AVX-512).
 pub fn set_f16_attention(on: bool) -> bool {
     let state = unsafe { shim::dflash2_set_f16_attention(on) };
     F16_ATTENTION.store(state == 1, Ordering::Relaxed);
@@ -111,6 +123,5 @@ pub fn set_f16_attention(on: bool) -> bool {
 
 /// Whether dflash2's kernel computes this process's attention over f16 caches.
 pub fn f16_attention_on() -> bool {
-    init_backend();
     F16_ATTENTION.load(Ordering::Relaxed)
 }

@@ -1,6 +1,9 @@
 //! Shared test support: where the models are, and one loaded copy of each per process.
 #![allow(dead_code)]
+use dflash2::engine::EngineConfig;
+use dflash2::llama::{Batch, CacheType, Context, ContextParams, Model};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Real GGUF targets fetched from PyPI by `tests/support/fetch-models.sh` into `models/`
 /// (or `$DFLASH2_MODELS`). A missing model fails the test: it is never skipped.
@@ -27,7 +30,7 @@ pub fn shipped_drafter() -> PathBuf {
 pub fn plain_and_speculative(
     cfg: &dflash2::engine::EngineConfig,
     spec: impl FnOnce(&mut dflash2::engine::EngineConfig),
-) -> (std::sync::Arc<dflash2::llama::Model>, dflash2::engine::Engine, dflash2::engine::Engine) {
+) -> (Arc<Model>, dflash2::engine::Engine, dflash2::engine::Engine) {
     use dflash2::engine::Engine;
     let (target, drafter) = Engine::load_models(cfg).unwrap();
     let plain = Engine::from_models(target.clone(), None, cfg).unwrap();
@@ -208,4 +211,38 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The target's context parameters as the engine makes them, with `threads` threads and a K cache
+/// of `cache_k`.
+pub fn engine_params(threads: i32, cache_k: CacheType) -> ContextParams {
+    let mut cfg = EngineConfig::new(Default::default(), None);
+    cfg.n_threads = threads;
+    cfg.cache.target_k = cache_k;
+    cfg.target_params()
+}
+
+/// Logits of the last `tail` tokens of `tokens`, fed `chunk` at a time after the rest.
+pub fn tail_logits(model: &Arc<Model>, tokens: &[i32], tail: usize, chunk: usize) -> Vec<Vec<f32>> {
+    let params = ContextParams { n_ctx: 1024, ..engine_params(2, CacheType::F16) };
+    let mut ctx = Context::new(model.clone(), &params, None).unwrap();
+    let mut b = Batch::tokens(512, 1);
+    let n0 = tokens.len() - tail;
+    for (i, &t) in tokens[..n0].iter().enumerate() {
+        b.add_token(t, i as i32, &[0], false).unwrap();
+    }
+    ctx.decode(&b, "prefix").unwrap();
+    let mut out = Vec::new();
+    for start in (n0..tokens.len()).step_by(chunk) {
+        let end = (start + chunk).min(tokens.len());
+        b.clear();
+        for (i, &t) in tokens[start..end].iter().enumerate() {
+            b.add_token(t, (start + i) as i32, &[0], true).unwrap();
+        }
+        ctx.decode(&b, "tail").unwrap();
+        for r in 0..end - start {
+            out.push(ctx.logits(r).unwrap().to_vec());
+        }
+    }
+    out
 }
