@@ -100,8 +100,8 @@ inline void round_through_f16(const float * src, float * dst, int64_t n) {
 
 class f16_attention_traits : public ggml::cpu::tensor_traits {
   public:
-    // An f16 src0 (cache or weight) of rows a multiple of STEP long, f32 queries of a few rows,
-    // f32 output, every innermost dimension contiguous.
+    // An f16 src0 (cache or weight) of rows a multiple of STEP long (ggml's scalar tail is not
+    // reproduced), f32 queries within MAX_WORK, f32 output, every innermost dimension contiguous.
     static bool takes(const ggml_tensor * op) {
         const ggml_tensor * x = op->src[0];
         const ggml_tensor * y = op->src[1];
