@@ -36,31 +36,6 @@ fn argmax(v: &[f32]) -> Token {
     best as Token
 }
 
-/// Decodes `tokens` in a fresh context: all but the last `tail` as one batch, then the tail in
-/// chunks of `chunk` tokens; returns the logits of every tail position.
-fn tail_logits(model: &Arc<Model>, tokens: &[Token], tail: usize, chunk: usize) -> Vec<Vec<f32>> {
-    let mut ctx = context(model);
-    let mut batch = Batch::tokens(64, 1);
-    let head = tokens.len() - tail;
-    for (i, &t) in tokens[..head].iter().enumerate() {
-        batch.add_token(t, i as i32, &[0], false).unwrap();
-    }
-    ctx.decode(&batch, "head").unwrap();
-    let mut out = Vec::new();
-    for start in (head..tokens.len()).step_by(chunk) {
-        batch.clear();
-        let end = (start + chunk).min(tokens.len());
-        for (p, &t) in tokens.iter().enumerate().take(end).skip(start) {
-            batch.add_token(t, p as i32, &[0], true).unwrap();
-        }
-        ctx.decode(&batch, "tail").unwrap();
-        for row in 0..end - start {
-            out.push(ctx.logits(row).unwrap().to_vec());
-        }
-    }
-    out
-}
-
 /// Greedy decoding, one token per decode (as plain decoding does).
 fn greedy(model: &Arc<Model>, prompt: &[Token], n: usize) -> Vec<Token> {
     let mut ctx = context(model);
@@ -89,11 +64,11 @@ fn target_logits_do_not_depend_on_the_batch_shape() {
         for (i, text) in common::PROMPTS.iter().take(6).enumerate() {
             let mut tokens = model.tokenize(text, true, false).unwrap();
             tokens.extend(greedy(&model, &tokens, 8));
-            let one = tail_logits(&model, &tokens, 4, 1);
+            let one = common::tail_logits_in(&mut context(&model), &tokens, 4, 1);
             assert_eq!(one.len(), 4);
             assert!(one.iter().flatten().all(|x| x.is_finite()));
             for chunk in [2, 3, 4] {
-                let other = tail_logits(&model, &tokens, 4, chunk);
+                let other = common::tail_logits_in(&mut context(&model), &tokens, 4, chunk);
                 for (pos, (a, b)) in one.iter().zip(&other).enumerate() {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     assert_eq!(diff, 0, "{name}, prompt {i}, chunks of {chunk}: tail row {pos} has {diff} logits that differ from single-token decoding");

@@ -55,9 +55,12 @@ static KERNELS: Once = Once::new();
 static F16_ATTENTION: AtomicBool = AtomicBool::new(false);
 const TILED_MM: &str = "GGML_CPU_TILED_MM";
 
-/// The environment switches that give ggml's own kernels back in place of dflash2's (for A/B
-/// measurements); they change the kernels that run, so the probe cache keys on them.
-pub const KERNEL_SWITCHES: &[&str] = &["DFLASH2_NO_FEW_ROW_KERNELS", "DFLASH2_NO_F16_ATTENTION"];
+/// Environment switches that give ggml's own kernels back in place of dflash2's (for A/B
+/// measurements): the few-row AMX products, the f16 attention.
+pub const NO_FEW_ROW_KERNELS: &str = "DFLASH2_NO_FEW_ROW_KERNELS";
+pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
+/// Both switches: they change the kernels that run, so the probe cache keys on them.
+pub const KERNEL_SWITCHES: &[&str] = &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -105,7 +108,7 @@ pub fn init_backend() {
 pub fn install_kernels() {
     init_backend();
     KERNELS.call_once(|| {
-        if std::env::var_os("DFLASH2_NO_F16_ATTENTION").is_none() {
+        if std::env::var_os(NO_F16_ATTENTION).is_none() {
             set_f16_attention(true);
         }
     });

@@ -85,7 +85,7 @@ impl Model {
         // Weights repacked for AMX: products of 2-6 rows (short verifies) without AMX's 32-row
         // tiles, rounding as single steps do (vendor/amx_few_rows.cpp). The environment switch
         // is for measuring them against ggml's own.
-        let few_row_weights = if params.repack && std::env::var_os("DFLASH2_NO_FEW_ROW_KERNELS").is_none() {
+        let few_row_weights = if params.repack && std::env::var_os(super::NO_FEW_ROW_KERNELS).is_none() {
             unsafe { shim::dflash2_model_few_row_kernels(ptr.as_ptr()) }
         } else {
             0

@@ -222,11 +222,17 @@ pub fn engine_params(threads: i32, cache_k: CacheType) -> ContextParams {
     cfg.target_params()
 }
 
-/// Logits of the last `tail` tokens of `tokens`, fed `chunk` at a time after the rest.
+/// Logits of the last `tail` tokens of `tokens`, fed `chunk` at a time after the rest, in a fresh
+/// context of the target's settings (`engine_params`, 1024 tokens).
 pub fn tail_logits(model: &Arc<Model>, tokens: &[i32], tail: usize, chunk: usize) -> Vec<Vec<f32>> {
     let params = ContextParams { n_ctx: 1024, ..engine_params(2, CacheType::F16) };
-    let mut ctx = Context::new(model.clone(), &params, None).unwrap();
-    let mut b = Batch::tokens(512, 1);
+    tail_logits_in(&mut Context::new(model.clone(), &params, None).unwrap(), tokens, tail, chunk)
+}
+
+/// Decodes `tokens` in `ctx` (empty): all but the last `tail` as one batch, then the tail in
+/// chunks of `chunk` tokens; returns the logits of every tail position.
+pub fn tail_logits_in(ctx: &mut Context, tokens: &[i32], tail: usize, chunk: usize) -> Vec<Vec<f32>> {
+    let mut b = Batch::tokens(tokens.len(), 1);
     let n0 = tokens.len() - tail;
     for (i, &t) in tokens[..n0].iter().enumerate() {
         b.add_token(t, i as i32, &[0], false).unwrap();
