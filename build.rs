@@ -10,8 +10,15 @@ use std::env;
 use std::fs;
 use std::path::PathBuf;
 
-/// dflash2's own CPU kernels, plugged into ggml's CPU backend.
-const KERNELS: &[&str] = &["vendor/amx_few_rows.cpp", "vendor/f16_attention.cpp"];
+/// dflash2's own CPU kernels, plugged into ggml's CPU backend, and their shared header.
+const KERNELS: &[&str] = &[
+    "vendor/amx_few_rows.cpp",
+    "vendor/cpu_extra.cpp",
+    "vendor/f16_attention.cpp",
+    "vendor/narrow_fill.cpp",
+    "vendor/q5_0_rows.cpp",
+];
+const KERNEL_HEADER: &str = "vendor/cpu_extra.h";
 
 fn main() {
     let root = PathBuf::from(
@@ -36,9 +43,9 @@ fn main() {
     }
     build.compile("dflash2_shim");
 
-    // The kernels (few-row AMX products, f16 attention) read ggml's CPU internals and are built
-    // for the CPU ggml was built for: with `-march=native` where llama.cpp is (GGML_NATIVE),
-    // else as stubs.
+    // The kernels (few-row AMX products, f16 attention, Q5_0 products, narrow fills) read ggml's
+    // CPU internals and are built for the CPU ggml was built for: with `-march=native` where
+    // llama.cpp is (GGML_NATIVE), else as stubs.
     let native = cache.lines().any(|l| l == "GGML_NATIVE:BOOL=ON");
     let mut kernels = cc::Build::new();
     kernels.cpp(true).std("c++17").files(KERNELS).warnings(false);
@@ -51,7 +58,11 @@ fn main() {
     }
     kernels.compile("dflash2_kernels");
     // A probe cached by an earlier build of these kernels must not stand for this one.
-    let source: Vec<u8> = KERNELS.iter().flat_map(|f| fs::read(f).unwrap_or_else(|e| panic!("cannot read {f}: {e}"))).collect();
+    let source: Vec<u8> = KERNELS
+        .iter()
+        .chain([&KERNEL_HEADER])
+        .flat_map(|f| fs::read(f).unwrap_or_else(|e| panic!("cannot read {f}: {e}")))
+        .collect();
     let hash = source.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3));
     println!("cargo:rustc-env=DFLASH2_KERNELS_HASH={hash:016x}{}", if native { " native" } else { "" });
 
@@ -74,7 +85,7 @@ fn main() {
     println!("cargo:rustc-env=DFLASH2_LLAMA_INCLUDE={}", include.display());
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.cpp");
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.h");
-    for file in KERNELS {
+    for file in KERNELS.iter().chain([&KERNEL_HEADER]) {
         println!("cargo:rerun-if-changed={file}");
     }
     println!("cargo:rerun-if-changed=build.rs");

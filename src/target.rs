@@ -266,7 +266,7 @@ pub fn load_target(
     let on_cpu = !crate::llama::gpu_offload_supported() || n_gpu_layers == 0;
     if on_cpu
         && params.cache_k == CacheType::F16
-        && !crate::llama::f16_attention_on()
+        && !crate::llama::OpKernel::F16Attention.is_on()
         && crate::llama::system_info().contains("AVX512_BF16 = 1")
     {
         // ggml's own f16 attention converts every cached element; with bf16 it uses vdpbf16ps

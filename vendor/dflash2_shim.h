@@ -43,6 +43,19 @@ int32_t         dflash2_model_few_row_kernels(struct llama_model * model);
  * register), -1 where this build has no AVX-512. */
 int32_t         dflash2_set_f16_attention(bool on);
 
+/* ---- Q5_0 weights (vendor/q5_0_rows.cpp) ----
+ * Makes ggml's CPU backend multiply 2-D Q5_0 weights by f32 activations with a kernel that rounds
+ * every output as ggml_vec_dot_q5_0_q8_0 does, unpacking each weight block once for up to four
+ * activation rows and running several weight rows side by side. Process-wide, as above. Returns
+ * 1 when on, 0 when off (or it failed to register), -1 where this build has no AVX512-VNNI. */
+int32_t         dflash2_set_q5_0_rows(bool on);
+
+/* ---- fills of narrow rows (vendor/narrow_fill.cpp) ----
+ * Makes ggml's CPU backend fill contiguous f32 tensors with rows under 16 wide (the full-vocabulary
+ * logits of a reduced-vocabulary DFlash drafter) in one run per thread instead of row by row.
+ * Process-wide, as above. Returns 1 when on, 0 when off (or it failed to register). */
+int32_t         dflash2_set_narrow_fill(bool on);
+
 /* ---- layer-input capture through cb_eval ----
  * The input of layer il is the graph tensor named "l_out-<il-1>". Install
  * dflash2_capture_eval as cb_eval with the capture as user data; after each

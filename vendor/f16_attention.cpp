@@ -14,22 +14,19 @@
 // changes: a cache row is loaded and converted once for up to six queries that read it (the query
 // heads of a GQA group, the rows of a verify batch), in registers; rows go in blocks that stay in
 // cache while a prompt's many queries meet them; and the queries are converted once per product.
-// It plugs in as one more of ggml's CPU "extra buffer types", whose traits ggml asks before
-// computing any op; it takes f16 x f32 products whose queries fit MAX_WORK and leaves every other
-// op to ggml.
+// It plugs in as one of ggml's CPU "extra buffer types" (vendor/cpu_extra.h); it takes f16 x f32
+// products whose queries fit MAX_WORK and leaves every other op to ggml.
 //
 // Built for AVX-512 CPUs (where ggml's f16 dot product is the one above) in the same
 // `-march=native` build as llama.cpp; elsewhere dflash2_set_f16_attention() reports that it is not
 // built.
 
 #include "dflash2_shim.h"
+#include "cpu_extra.h"
 
 #include "ggml-backend.h"
-#include "ggml-cpu/traits.h"
 
 #include <algorithm>
-#include <atomic>
-#include <mutex>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -184,61 +181,14 @@ class f16_attention_traits : public ggml::cpu::tensor_traits {
     }
 };
 
-f16_attention_traits traits;
-std::atomic<bool> enabled{ false };
-
-// Registered with ggml's CPU backend beside its AMX and repack types. No buffer is ever made of
-// it (supports_op is false, so llama.cpp places no weight in it); it exists for get_tensor_traits.
-class f16_attention_buffer_type : public ggml::cpu::extra_buffer_type {
-  public:
-    bool supports_op(ggml_backend_dev_t, const ggml_tensor *) override { return false; }
-
-    ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
-        return enabled.load(std::memory_order_relaxed) && f16_attention_traits::takes(op) ? &traits : nullptr;
-    }
-};
-
-f16_attention_buffer_type extra;
-
-const char * buffer_type_name(ggml_backend_buffer_type_t) { return "DFLASH2_F16_ATTENTION"; }
+dflash2::op_kernel<f16_attention_traits> kernel;
 
 }  // namespace
 #endif
 
 extern "C" int32_t dflash2_set_f16_attention(bool on) {
 #if DFLASH2_F16_ATTENTION
-    try {
-        static std::mutex lock;
-        static ggml_backend_buffer_type buft;
-        std::lock_guard<std::mutex> guard(lock);
-        enabled.store(on, std::memory_order_relaxed);
-        auto & extras = ggml_backend_cpu_get_extra_buffer_types();
-        for (auto * b : extras) {
-            if (b == &buft) {
-                return on ? 1 : 0;
-            }
-        }
-        // The CPU device copies this list once, for placing weights; have it copied before the
-        // kernel joins, so that weights never see this type (it would refuse them anyway).
-        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-        if (!cpu) {
-            return 0;
-        }
-        auto get_extra = (ggml_backend_buffer_type_t * (*) (ggml_backend_dev_t))
-            ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
-        if (get_extra) {
-            get_extra(cpu);
-        }
-        buft.iface = ggml_backend_cpu_buffer_type()->iface;
-        buft.iface.get_name = buffer_type_name;
-        buft.device = cpu;
-        buft.context = &extra;
-        extras.push_back(&buft);
-        return on ? 1 : 0;
-    } catch (...) {
-        enabled.store(false);
-        return 0;
-    }
+    return kernel.set(on, "DFLASH2_F16_ATTENTION");
 #else
     (void) on;
     return -1;

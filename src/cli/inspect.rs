@@ -233,10 +233,12 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         (false, false) => "none is bit-identical: speculative output may differ from plain decoding",
     };
     if args.json {
-        let out = serde_json::json!({ "file": args.file, "threads": args.threads, "cache_type_k": args.cache_type_k.name(),
+        let mut out = serde_json::json!({ "file": args.file, "threads": args.threads, "cache_type_k": args.cache_type_k.name(),
             "cache_type_v": args.cache_type_v.name(), "context": context, "flash_attn_ref": args.flash_attn_ref,
-            "system_info": crate::llama::system_info(), "few_row_weights": few_row_weights,
-            "f16_attention": crate::llama::f16_attention_on(), "probes": probes, "choice": choice });
+            "system_info": crate::llama::system_info(), "few_row_weights": few_row_weights, "probes": probes, "choice": choice });
+        for kernel in crate::llama::OpKernel::ALL {
+            out[kernel.key()] = kernel.is_on().into();
+        }
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
@@ -266,8 +268,8 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     if few_row_weights > 0 {
         println!("repacked for AMX: {few_row_weights} weights multiply 2-6 rows with dflash2's few-row kernels");
     }
-    if crate::llama::f16_attention_on() {
-        println!("attention over an f16 cache: dflash2's kernel (rounds as ggml's; DFLASH2_NO_F16_ATTENTION=1 for ggml's)");
+    for kernel in crate::llama::OpKernel::ALL.into_iter().filter(|k| k.is_on()) {
+        println!("{}: dflash2's kernel (the same values as ggml's; {}=1 for ggml's)", kernel.what(), kernel.switch());
     }
     println!("choice: {choice}");
     Ok(())
@@ -307,6 +309,7 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         anyhow::bail!("{} is not a DFlash drafter: --costs times a drafter against its --target", args.file.display());
     };
     let target_path = args.target.as_ref().expect("clap requires --target with --costs");
+    crate::llama::install_kernels(); // the kernels a target loaded by the engine runs with
     let gpu = ModelParams { n_gpu_layers: args.gpu_layers, ..ModelParams::default() };
     let target = Arc::new(Model::load(target_path, &gpu)?);
     let drafter = Arc::new(Model::load(&args.file, &gpu)?);

@@ -52,15 +52,17 @@ pub type Result<T> = std::result::Result<T, LlamaError>;
 
 static BACKEND: Once = Once::new();
 static KERNELS: Once = Once::new();
-static F16_ATTENTION: AtomicBool = AtomicBool::new(false);
+static OP_KERNELS_ON: [AtomicBool; 3] = [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)];
 const TILED_MM: &str = "GGML_CPU_TILED_MM";
 
 /// Environment switches that give ggml's own kernels back in place of dflash2's (for A/B
-/// measurements): the few-row AMX products, the f16 attention.
+/// measurements): the few-row AMX products and each [`OpKernel`].
 pub const NO_FEW_ROW_KERNELS: &str = "DFLASH2_NO_FEW_ROW_KERNELS";
 pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
-/// Both switches: they change the kernels that run, so the probe cache keys on them.
-pub const KERNEL_SWITCHES: &[&str] = &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION];
+pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
+pub const NO_NARROW_FILL: &str = "DFLASH2_NO_NARROW_FILL";
+/// Every switch: they change the kernels that run, so the probe cache keys on them.
+pub const KERNEL_SWITCHES: &[&str] = &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_NARROW_FILL];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -98,33 +100,85 @@ pub fn init_backend() {
     });
 }
 
-/// Plugs dflash2's CPU kernels that serve every model into ggml's CPU backend, once per process:
-/// today the kernel for attention over an f16 cache (vendor/f16_attention.cpp: each output
-/// rounded as ggml's own kernel rounds it, each cache row converted once for the queries that
-/// read it), unless `DFLASH2_NO_F16_ATTENTION` is set. ggml's list of such kernels is not
-/// guarded against computations running meanwhile, so this runs when dflash2 loads a target of
-/// its own (`crate::target::load_target`, `inspect`), never from the frontend ABI, whose frontend
-/// may be decoding on other threads.
+/// dflash2's kernels for ops of every model, plugged into ggml's CPU backend (vendor/cpu_extra.h):
+/// each computes its outputs as ggml's own kernel rounds them, only faster, and can be switched
+/// off for the whole process (for comparisons) by its environment switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKernel {
+    /// Attention over an f16 cache without flash attention (vendor/f16_attention.cpp): each cache
+    /// row converted once for the queries that read it. Built for AVX-512.
+    F16Attention,
+    /// Products of Q5_0 weights (vendor/q5_0_rows.cpp): each weight block unpacked once for up to
+    /// four activation rows, several weight rows side by side. Built for AVX512-VNNI.
+    Q5_0Rows,
+    /// Fills of tensors with rows under 16 wide (vendor/narrow_fill.cpp): the full-vocabulary
+    /// logits of a reduced-vocabulary DFlash drafter, filled in one run instead of row by row.
+    NarrowFill,
+}
+
+impl OpKernel {
+    pub const ALL: [OpKernel; 3] = [OpKernel::F16Attention, OpKernel::Q5_0Rows, OpKernel::NarrowFill];
+
+    /// What the kernel computes, for reports.
+    pub fn what(self) -> &'static str {
+        match self {
+            OpKernel::F16Attention => "attention over an f16 cache",
+            OpKernel::Q5_0Rows => "products of Q5_0 weights",
+            OpKernel::NarrowFill => "fills of narrow rows (a drafter's full-vocabulary logits)",
+        }
+    }
+
+    /// Its name in JSON reports.
+    pub fn key(self) -> &'static str {
+        match self {
+            OpKernel::F16Attention => "f16_attention",
+            OpKernel::Q5_0Rows => "q5_0_rows",
+            OpKernel::NarrowFill => "narrow_fill",
+        }
+    }
+
+    /// The environment variable that leaves ggml's own kernel in its place.
+    pub fn switch(self) -> &'static str {
+        match self {
+            OpKernel::F16Attention => NO_F16_ATTENTION,
+            OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
+            OpKernel::NarrowFill => NO_NARROW_FILL,
+        }
+    }
+
+    /// Turns the kernel on or off for the whole process (off gives ggml's own back), so only while
+    /// no decode runs in the process. Returns whether it is on: false where this build has no
+    /// such kernel (the CPU lacks what it is built for).
+    pub fn set(self, on: bool) -> bool {
+        let state = unsafe {
+            match self {
+                OpKernel::F16Attention => shim::dflash2_set_f16_attention(on),
+                OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
+                OpKernel::NarrowFill => shim::dflash2_set_narrow_fill(on),
+            }
+        };
+        OP_KERNELS_ON[self as usize].store(state == 1, Ordering::Relaxed);
+        state == 1
+    }
+
+    /// Whether the kernel computes this process's ops of its kind.
+    pub fn is_on(self) -> bool {
+        OP_KERNELS_ON[self as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// Plugs dflash2's op kernels into ggml's CPU backend, once per process, each unless its
+/// environment switch is set. ggml's list of such kernels is not guarded against computations
+/// running meanwhile, so this runs when dflash2 loads a target of its own
+/// (`crate::target::load_target`, `inspect`), never from the frontend ABI, whose frontend may be
+/// decoding on other threads.
 pub fn install_kernels() {
     init_backend();
     KERNELS.call_once(|| {
-        if std::env::var_os(NO_F16_ATTENTION).is_none() {
-            set_f16_attention(true);
+        for kernel in OpKernel::ALL {
+            if std::env::var_os(kernel.switch()).is_none() {
+                kernel.set(true);
+            }
         }
     });
-}
-
-/// Turns dflash2's kernel for attention over f16 caches on or off for the whole process
-/// (vendor/f16_attention.cpp; off gives ggml's own back, for comparisons), so only while no
-/// decode runs in the process. Returns whether it is on: false where this build has no such
-/// kernel (no AVX-512).
-pub fn set_f16_attention(on: bool) -> bool {
-    let state = unsafe { shim::dflash2_set_f16_attention(on) };
-    F16_ATTENTION.store(state == 1, Ordering::Relaxed);
-    state == 1
-}
-
-/// Whether dflash2's kernel computes this process's attention over f16 caches.
-pub fn f16_attention_on() -> bool {
-    F16_ATTENTION.load(Ordering::Relaxed)
 }

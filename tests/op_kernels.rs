@@ -1,0 +1,92 @@
+//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/q5_0_rows.cpp) must give every logit the
+//! bits ggml's own kernels give it. The comparisons switch kernels off and on for the whole
+//! process, so they live in a test binary of their own, one test at a time.
+mod common;
+
+use common::tail_logits;
+use dflash2::llama::{Model, ModelParams, OpKernel};
+use std::sync::{Arc, Mutex};
+
+/// The comparisons switch kernels process-wide: one at a time.
+static SWITCHING: Mutex<()> = Mutex::new(());
+
+/// Every logit with `kernel` on against ggml's own kernel in its place, on both test targets: in
+/// the prompt batch, in single steps and in verify batches of 2, 3, 6 and 17 rows, before and past
+/// 256 cells of cache. `built` says whether this build has the kernel (the CPU features it needs).
+fn rounds_every_logit_as_ggml_does(kernel: OpKernel, built: bool) {
+    let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
+    dflash2::llama::install_kernels(); // as every target load does
+    assert_eq!(kernel.is_on(), built, "{kernel:?} must be on exactly where it is built");
+    for file in [common::SMOLLM2, common::QWEN_05B] {
+        let model = Arc::new(Model::load(&common::real_model(file), &ModelParams::default()).unwrap());
+        let text = "def fizzbuzz(n):\n    \"\"\"Return the FizzBuzz sequence up to n.\"\"\"\n".repeat(20);
+        let tokens = model.tokenize(&text, true, false).unwrap();
+        assert!(tokens.len() > 300, "the context must pass 256 cells");
+        for context in [120, tokens.len()] {
+            let tokens = &tokens[..context];
+            kernel.set(false);
+            let ggml = tail_logits(&model, tokens, 17, 1);
+            assert_eq!(kernel.set(built), built);
+            for chunk in [1, 2, 3, 6, 17] {
+                let ours = tail_logits(&model, tokens, 17, chunk);
+                for (row, (a, b)) in ours.iter().zip(&ggml).enumerate() {
+                    let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{kernel:?}, {file}, {context} tokens, batches of {chunk}: row {row} differs from ggml's");
+                }
+            }
+        }
+    }
+}
+
+/// Without flash attention the target's attention over its f16 cache runs dflash2's kernel on
+/// every AVX-512 CPU. One pass of a cache row serves up to 6 queries: 1, 2 and 6 rows are one pass
+/// on SmolLM2's 3 query heads per cache head, 3 and 17 are several.
+#[test]
+fn f16_attention_kernel_rounds_every_logit_as_ggml_does() {
+    let built = dflash2::llama::system_info().contains("AVX512 = 1");
+    rounds_every_logit_as_ggml_does(OpKernel::F16Attention, built);
+}
+
+/// Qwen2.5-Coder-0.5B's Q4_K_M keeps most of its weights in Q5_0 (its width, 896, is no multiple
+/// of 256), which dflash2's kernel multiplies on AVX512-VNNI CPUs: eight weight rows side by side
+/// for one row (a single step), four by up to four rows (2, 3: one group; 6, 17 and the prompt:
+/// several, the last one short).
+#[test]
+fn q5_0_kernel_rounds_every_logit_as_ggml_does() {
+    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    rounds_every_logit_as_ggml_does(OpKernel::Q5_0Rows, built);
+}
+
+/// The shipped drafter's reduced vocabulary (8,192 draft tokens) reaches the full one through
+/// logits rows filled with -inf as a tensor one element wide, which dflash2's kernel fills in one
+/// run: each block's lattice (candidates and transition scores) must keep its bits, at every
+/// block size the engine drafts.
+#[test]
+fn narrow_fill_gives_the_drafter_the_same_lattices() {
+    use dflash2::draft::drafter::Drafter;
+    use dflash2::llama::{CacheType, Context, ContextParams};
+    let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
+    dflash2::llama::install_kernels();
+    assert!(OpKernel::NarrowFill.is_on(), "the narrow fill is built everywhere");
+    let target = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
+    let drafter = Arc::new(Model::load(&common::shipped_drafter(), &ModelParams::default()).unwrap());
+    let tctx = Context::new(target.clone(), &ContextParams { n_ctx: 512, ..ContextParams::default() }, None).unwrap();
+    let lattices = |fill: bool| {
+        assert_eq!(OpKernel::NarrowFill.set(fill), fill);
+        let mut d = Drafter::new(drafter.clone(), &tctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
+        let w = d.feature_width();
+        // any features: the comparison is between two fills of the same graph
+        let rows: Vec<f32> = (0..w * 64).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+        d.inject(&rows, 0, 0).unwrap();
+        BLOCKS.map(|b| d.draft(&[(1234, 64, 0)], b).unwrap())
+    };
+    const BLOCKS: [usize; 4] = [2, 4, 8, 16];
+    let ggml = lattices(false);
+    let ours = lattices(true);
+    for ((a, g), b) in ours.iter().zip(&ggml).zip(BLOCKS) {
+        let (a, g) = (&a[0], &g[0]);
+        assert_eq!(a.ids, g.ids, "block {b}: candidates differ from ggml's fill");
+        assert!(a.scores.iter().zip(&g.scores).all(|(x, y)| x.to_bits() == y.to_bits()), "block {b}: scores differ");
+        assert!(a.ids.iter().all(|&t| t >= 0 && t < target.n_vocab() as i32), "block {b}: candidates in the vocabulary");
+    }
+}

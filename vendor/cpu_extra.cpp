@@ -1,0 +1,64 @@
+// Registration of dflash2's op kernels (f16_attention.cpp, q5_0_rows.cpp) with ggml's CPU backend.
+
+#include "cpu_extra.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <list>
+#include <mutex>
+
+namespace {
+
+// A kernel's buffer type and its name, alive as long as the process (ggml keeps pointers to it).
+struct registered {
+    ggml_backend_buffer_type type;
+    const char * name;
+};
+
+std::mutex lock;
+std::list<registered> types;
+
+const char * buffer_type_name(ggml_backend_buffer_type_t buft) {
+    std::lock_guard<std::mutex> guard(lock);
+    for (auto & t : types) {
+        if (&t.type == buft) {
+            return t.name;
+        }
+    }
+    return "DFLASH2";
+}
+
+}  // namespace
+
+namespace dflash2 {
+
+bool register_cpu_extra(ggml::cpu::extra_buffer_type * extra, const char * name) {
+    std::lock_guard<std::mutex> guard(lock);
+    for (auto & t : types) {
+        if (t.type.context == extra) {
+            return true;
+        }
+    }
+    // The CPU device copies ggml's list once, for placing weights; have it copied before the
+    // kernel joins, so that weights never see this type (it would refuse them anyway).
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!cpu) {
+        return false;
+    }
+    auto get_extra = (ggml_backend_buffer_type_t * (*) (ggml_backend_dev_t))
+        ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
+    if (get_extra) {
+        get_extra(cpu);
+    }
+    auto & t = types.emplace_back();
+    t.name = name;
+    t.type.iface = ggml_backend_cpu_buffer_type()->iface;
+    t.type.iface.get_name = buffer_type_name;
+    t.type.device = cpu;
+    t.type.context = extra;
+    ggml_backend_cpu_get_extra_buffer_types().push_back(&t.type);
+    return true;
+}
+
+}  // namespace dflash2
