@@ -14,8 +14,8 @@ use std::path::PathBuf;
 const KERNELS: &[&str] = &[
     "vendor/amx_few_rows.cpp",
     "vendor/cpu_extra.cpp",
+    "vendor/drafter_ops.cpp",
     "vendor/f16_attention.cpp",
-    "vendor/narrow_fill.cpp",
     "vendor/q5_0_rows.cpp",
 ];
 const KERNEL_HEADER: &str = "vendor/cpu_extra.h";
@@ -43,7 +43,7 @@ fn main() {
     }
     build.compile("dflash2_shim");
 
-    // The kernels (few-row AMX products, f16 attention, Q5_0 products, narrow fills) read ggml's
+    // The kernels (few-row AMX products, f16 attention, Q5_0 products, the drafter's ops) read ggml's
     // CPU internals and are built for the CPU ggml was built for: with `-march=native` where
     // llama.cpp is (GGML_NATIVE), else as stubs.
     let native = cache.lines().any(|l| l == "GGML_NATIVE:BOOL=ON");

@@ -1,4 +1,4 @@
-//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/q5_0_rows.cpp) must give every logit the
+//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/q5_0_rows.cpp, vendor/drafter_ops.cpp) must give every logit the
 //! bits ggml's own kernels give it. The comparisons switch kernels off and on for the whole
 //! process, so they live in a test binary of their own, one test at a time.
 mod common;
@@ -58,21 +58,22 @@ fn q5_0_kernel_rounds_every_logit_as_ggml_does() {
 }
 
 /// The shipped drafter's reduced vocabulary (8,192 draft tokens) reaches the full one through
-/// logits rows filled with -inf as a tensor one element wide, which dflash2's kernel fills in one
-/// run: each block's lattice (candidates and transition scores) must keep its bits, at every
+/// logits rows filled with -inf as a tensor one element wide; its candidates are a top-k over
+/// those rows, its lattice rows are padded: dflash2's kernels for these ops must leave each
+/// block's lattice (candidates and transition scores) with the bits ggml's give it, at every
 /// block size the engine drafts.
 #[test]
-fn narrow_fill_gives_the_drafter_the_same_lattices() {
+fn drafter_ops_give_the_drafter_the_same_lattices() {
     use dflash2::draft::drafter::Drafter;
     use dflash2::llama::{CacheType, Context, ContextParams};
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels();
-    assert!(OpKernel::NarrowFill.is_on(), "the narrow fill is built everywhere");
+    assert!(OpKernel::DrafterOps.is_on(), "the drafter ops are built everywhere");
     let target = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
     let drafter = Arc::new(Model::load(&common::shipped_drafter(), &ModelParams::default()).unwrap());
     let tctx = Context::new(target.clone(), &ContextParams { n_ctx: 512, ..ContextParams::default() }, None).unwrap();
-    let lattices = |fill: bool| {
-        assert_eq!(OpKernel::NarrowFill.set(fill), fill);
+    let lattices = |ours: bool| {
+        assert_eq!(OpKernel::DrafterOps.set(ours), ours);
         let mut d = Drafter::new(drafter.clone(), &tctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
         let w = d.feature_width();
         // any features: the comparison is between two fills of the same graph
@@ -85,7 +86,7 @@ fn narrow_fill_gives_the_drafter_the_same_lattices() {
     let ours = lattices(true);
     for ((a, g), b) in ours.iter().zip(&ggml).zip(BLOCKS) {
         let (a, g) = (&a[0], &g[0]);
-        assert_eq!(a.ids, g.ids, "block {b}: candidates differ from ggml's fill");
+        assert_eq!(a.ids, g.ids, "block {b}: candidates differ from ggml's");
         assert!(a.scores.iter().zip(&g.scores).all(|(x, y)| x.to_bits() == y.to_bits()), "block {b}: scores differ");
         assert!(a.ids.iter().all(|&t| t >= 0 && t < target.n_vocab() as i32), "block {b}: candidates in the vocabulary");
     }

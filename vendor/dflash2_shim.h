@@ -50,11 +50,12 @@ int32_t         dflash2_set_f16_attention(bool on);
  * 1 when on, 0 when off (or it failed to register), -1 where this build has no AVX512-VNNI. */
 int32_t         dflash2_set_q5_0_rows(bool on);
 
-/* ---- fills of narrow rows (vendor/narrow_fill.cpp) ----
- * Makes ggml's CPU backend fill contiguous f32 tensors with rows under 16 wide (the full-vocabulary
- * logits of a reduced-vocabulary DFlash drafter) in one run per thread instead of row by row.
- * Process-wide, as above. Returns 1 when on, 0 when off (or it failed to register). */
-int32_t         dflash2_set_narrow_fill(bool on);
+/* ---- the DFlash drafter graph's small ops (vendor/drafter_ops.cpp) ----
+ * Makes ggml's CPU backend run the fills of rows under 16 wide, the zero pads and the top-k over
+ * vocabulary-wide rows of a DFlash drafter's graph with kernels that give the same values in a
+ * fraction of the time (one run per thread; the same partial sort over the indices that can enter
+ * it). Process-wide, as above. Returns 1 when on, 0 when off (or it failed to register). */
+int32_t         dflash2_set_drafter_ops(bool on);
 
 /* ---- layer-input capture through cb_eval ----
  * The input of layer il is the graph tensor named "l_out-<il-1>". Install

@@ -11,9 +11,10 @@
 // four 16-wide f32 accumulators fed by fused multiply-adds over 64-wide steps, reduced as
 // (a0 + a2) + (a1 + a3) and then across lanes, summed in double and stored as float), so every
 // output keeps its bits, and the queries keep the values ggml gives them (rounded to f16). What
-// changes: a cache row is loaded and converted once for up to six queries that read it (the query
-// heads of a GQA group, the rows of a verify batch), in registers; rows go in blocks that stay in
-// cache while a prompt's many queries meet them; and the queries are converted once per product.
+// changes: a cache row is loaded and converted once for the queries that read it (the query heads
+// of a GQA group, the rows of a verify batch); rows go in blocks that stay in cache while a
+// prompt's many queries meet them; the queries are converted once per product; and the scores'
+// short sums reduce sixteen at a time, in the same tree.
 // It plugs in as one of ggml's CPU "extra buffer types" (vendor/cpu_extra.h); it takes f16 x f32
 // products whose queries fit MAX_WORK and leaves every other op to ggml.
 //
@@ -27,6 +28,8 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -82,6 +85,80 @@ inline void row_dots(int G, int n, const ggml_fp16_t * x, const float * const * 
         case 5: row_dots<5>(n, x, y, out); break;
         default: row_dots<6>(n, x, y, out); break;
     }
+}
+
+// The scores' short rows (a head of 64 or 128 values: one or two steps) leave most of a row's cost
+// to the lane reduction, 7 operations for each output. Sixteen outputs reduce together here, by
+// transposing as they add: the 256-bit halves, the 128-bit halves, lanes {0, 1} + {2, 3}, then
+// lane 0 + 1, the tree GCC's _mm512_reduce_add_ps adds in (45 operations for the 16). A tree of
+// another compiler's would differ: transposed_reduction_is_ggmls() checks it once, and the scores
+// keep row_dots where it does not hold.
+constexpr int BLOCK = 16;
+constexpr int MAX_SHORT_STEPS = 2;
+
+// Lane i of the result: v[tau(i)] reduced, tau(i) = 4 * (i % 4) + i / 4 (the order the four
+// levels leave the sums in; callers lay their rows out so).
+inline __m512 reduce16(const __m512 v[BLOCK]) {
+    __m512 w[8], z[4], y[2];
+    for (int i = 0; i < 8; ++i)  // lanes i + 8 and i of each
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44));
+    for (int i = 0; i < 4; ++i)  // then lanes j + 4 and j
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88));
+    for (int i = 0; i < 2; ++i)  // then lanes {0, 1} and {2, 3}
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // then lane 0 and 1
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int tau(int i) { return 4 * (i % 4) + i / 4; }
+
+// Whether reduce16 adds as this compiler's _mm512_reduce_add_ps (which ggml's dot product calls)
+// does, on values of every sign and of exponents far apart (so that any other order rounds
+// differently somewhere).
+bool transposed_reduction_is_ggmls() {
+    uint64_t state = 0x9E3779B97F4A7C15ull;
+    auto next = [&] {
+        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+        return state;
+    };
+    for (int round = 0; round < 256; ++round) {
+        alignas(64) float values[BLOCK][LANES];
+        for (auto & row : values)
+            for (float & x : row) {
+                const uint64_t r = next();
+                x = std::ldexp(float(r & 0xFFFFFF) / float(1 << 24), int((r >> 24) % 40) - 20) * ((r >> 40) & 1 ? -1.0f : 1.0f);
+            }
+        __m512 v[BLOCK];
+        for (int i = 0; i < BLOCK; ++i) v[i] = _mm512_load_ps(values[tau(i)]);
+        alignas(64) float sums[BLOCK];
+        _mm512_store_ps(sums, reduce16(v));
+        for (int i = 0; i < BLOCK; ++i) {
+            const float ggml = _mm512_reduce_add_ps(_mm512_load_ps(values[i]));
+            if (std::memcmp(&ggml, &sums[i], sizeof(float)) != 0) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+// Dot products of BLOCK converted rows (xs: row tau(i) at i * STEPS * STEP) of STEPS steps with
+// one query y, each as ggml_vec_dot_f16 computes it, in row order.
+template <int STEPS> inline __m512 block_dots(const float * xs, const float * y) {
+    __m512 yv[STEPS][4];
+    for (int s = 0; s < STEPS; ++s)
+        for (int j = 0; j < 4; ++j) yv[s][j] = _mm512_loadu_ps(y + s * STEP + j * LANES);
+    __m512 sums[BLOCK];
+    for (int i = 0; i < BLOCK; ++i) {
+        const float * x = xs + i * STEPS * STEP;
+        __m512 acc[4];
+        for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+        for (int s = 0; s < STEPS; ++s)
+            for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(_mm512_load_ps(x + s * STEP + j * LANES), yv[s][j], acc[j]);
+        sums[i] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+    }
+    return reduce16(sums);
 }
 
 // Queries as ggml hands them to its dot product: f32 rounded to f16 (to nearest even, as
@@ -145,6 +222,9 @@ class f16_attention_traits : public ggml::cpu::tensor_traits {
         const int64_t first = total * params->ith / params->nth;
         const int64_t last = total * (params->ith + 1) / params->nth;
         const int64_t per_row = r2 * r3 * q_rows;
+        // rows of one or two steps (the scores over a head of 64 or 128) go in blocks
+        static const bool blocks_add_as_ggml = transposed_reduction_is_ggmls();
+        const bool short_rows = blocks_add_as_ggml && n <= MAX_SHORT_STEPS * STEP;
         thread_local std::vector<const float *> ys;
         thread_local std::vector<float *> outs;
         ys.resize(per_row);
@@ -166,10 +246,26 @@ class f16_attention_traits : public ggml::cpu::tensor_traits {
                 }
             }
             const char * base = (const char *) x->data + i02 * x->nb[2] + i03 * x->nb[3];
+            int64_t rest = t0;
+            if (short_rows) {
+                // whole blocks of rows converted once, then every query against the block
+                alignas(64) float xs[BLOCK * MAX_SHORT_STEPS * STEP];
+                for (; rest + BLOCK <= t1; rest += BLOCK) {
+                    const int64_t ir0 = rest % rows;
+                    for (int i = 0; i < BLOCK; ++i) {
+                        const auto * row = (const ggml_fp16_t *) (base + (ir0 + tau(i)) * x->nb[1]);
+                        for (int64_t e = 0; e < n; e += LANES)
+                            _mm512_store_ps(xs + i * n + e, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (row + e))));
+                    }
+                    for (int64_t c = 0; c < per_row; ++c) {
+                        _mm512_storeu_ps(outs[c] + ir0, n == STEP ? block_dots<1>(xs, ys[c]) : block_dots<2>(xs, ys[c]));
+                    }
+                }
+            }
             float * dst[MAX_GROUP];
             for (int64_t c0 = 0; c0 < per_row; c0 += MAX_GROUP) {
                 const int G = (int) std::min<int64_t>(MAX_GROUP, per_row - c0);
-                for (int64_t t = t0; t < t1; ++t) {
+                for (int64_t t = rest; t < t1; ++t) {
                     const int64_t ir0 = t % rows;
                     for (int g = 0; g < G; ++g) dst[g] = outs[c0 + g] + ir0;
                     row_dots(G, (int) n, (const ggml_fp16_t *) (base + ir0 * x->nb[1]), ys.data() + c0, dst);

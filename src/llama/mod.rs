@@ -60,9 +60,9 @@ const TILED_MM: &str = "GGML_CPU_TILED_MM";
 pub const NO_FEW_ROW_KERNELS: &str = "DFLASH2_NO_FEW_ROW_KERNELS";
 pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
 pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
-pub const NO_NARROW_FILL: &str = "DFLASH2_NO_NARROW_FILL";
+pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
 /// Every switch: they change the kernels that run, so the probe cache keys on them.
-pub const KERNEL_SWITCHES: &[&str] = &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_NARROW_FILL];
+pub const KERNEL_SWITCHES: &[&str] = &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_OPS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -111,20 +111,20 @@ pub enum OpKernel {
     /// Products of Q5_0 weights (vendor/q5_0_rows.cpp): each weight block unpacked once for up to
     /// four activation rows, several weight rows side by side. Built for AVX512-VNNI.
     Q5_0Rows,
-    /// Fills of tensors with rows under 16 wide (vendor/narrow_fill.cpp): the full-vocabulary
-    /// logits of a reduced-vocabulary DFlash drafter, filled in one run instead of row by row.
-    NarrowFill,
+    /// The DFlash drafter graph's fills of narrow rows, zero pads and vocabulary-wide top-k
+    /// (vendor/drafter_ops.cpp), which ggml runs element by element.
+    DrafterOps,
 }
 
 impl OpKernel {
-    pub const ALL: [OpKernel; 3] = [OpKernel::F16Attention, OpKernel::Q5_0Rows, OpKernel::NarrowFill];
+    pub const ALL: [OpKernel; 3] = [OpKernel::F16Attention, OpKernel::Q5_0Rows, OpKernel::DrafterOps];
 
     /// What the kernel computes, for reports.
     pub fn what(self) -> &'static str {
         match self {
             OpKernel::F16Attention => "attention over an f16 cache",
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
-            OpKernel::NarrowFill => "fills of narrow rows (a drafter's full-vocabulary logits)",
+            OpKernel::DrafterOps => "a DFlash drafter's fills, pads and top-k",
         }
     }
 
@@ -133,7 +133,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => "f16_attention",
             OpKernel::Q5_0Rows => "q5_0_rows",
-            OpKernel::NarrowFill => "narrow_fill",
+            OpKernel::DrafterOps => "drafter_ops",
         }
     }
 
@@ -142,7 +142,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => NO_F16_ATTENTION,
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
-            OpKernel::NarrowFill => NO_NARROW_FILL,
+            OpKernel::DrafterOps => NO_DRAFTER_OPS,
         }
     }
 
@@ -154,7 +154,7 @@ impl OpKernel {
             match self {
                 OpKernel::F16Attention => shim::dflash2_set_f16_attention(on),
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
-                OpKernel::NarrowFill => shim::dflash2_set_narrow_fill(on),
+                OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
             }
         };
         OP_KERNELS_ON[self as usize].store(state == 1, Ordering::Relaxed);
