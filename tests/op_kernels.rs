@@ -1,5 +1,5 @@
-//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/q5_0_rows.cpp, vendor/drafter_ops.cpp) must give every logit the
-//! bits ggml's own kernels give it. The comparisons switch kernels off and on for the whole
+//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/q5_0_rows.cpp, vendor/drafter_ops.cpp)
+//! must give every logit the bits ggml's own kernels give it. The comparisons switch kernels off and on for the whole
 //! process, so they live in a test binary of their own, one test at a time.
 mod common;
 

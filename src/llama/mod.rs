@@ -52,7 +52,7 @@ pub type Result<T> = std::result::Result<T, LlamaError>;
 
 static BACKEND: Once = Once::new();
 static KERNELS: Once = Once::new();
-static OP_KERNELS_ON: [AtomicBool; 3] = [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)];
+static OP_KERNELS_ON: [AtomicBool; OpKernel::ALL.len()] = [const { AtomicBool::new(false) }; OpKernel::ALL.len()];
 const TILED_MM: &str = "GGML_CPU_TILED_MM";
 
 /// Environment switches that give ggml's own kernels back in place of dflash2's (for A/B
