@@ -481,7 +481,7 @@ impl Context {
             return Ok(());
         }
         self.forget_captured();
-        let threads = self.governor.as_mut().map(|g| g.threads_for(batch.len()));
+        let threads = self.governor.as_mut().map(|g| g.threads_for(batch.len(), what));
         if let Some(t) = threads.filter(|&t| t != self.threads) {
             tracing::debug!("{}: {} rows on {t} threads (was {})", self.model.path(), batch.len(), self.threads);
             unsafe { sys::llama_set_n_threads(self.ptr(), t, t) };
@@ -498,7 +498,7 @@ impl Context {
         if let (Some(g), Some(t)) = (self.governor.as_mut(), threads) {
             let ms = started.elapsed().as_secs_f64() * 1e3;
             tracing::trace!("{} rows on {t} threads: {ms:.2} ms", batch.len());
-            g.record(batch.len(), t, ms);
+            g.record(batch.len(), what, t, ms);
         }
         self.observe(batch.len())
     }
