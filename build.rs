@@ -17,6 +17,7 @@ const KERNELS: &[&str] = &[
     "vendor/drafter_ops.cpp",
     "vendor/f16_attention.cpp",
     "vendor/q5_0_rows.cpp",
+    "vendor/q8_0_attention.cpp",
 ];
 const KERNEL_HEADER: &str = "vendor/cpu_extra.h";
 
@@ -43,7 +44,7 @@ fn main() {
     }
     build.compile("dflash2_shim");
 
-    // The kernels (few-row AMX products, f16 attention, Q5_0 products, the drafter's ops) read ggml's
+    // The kernels (few-row AMX products, f16 and q8_0 attention, Q5_0 products, the drafter's ops) read ggml's
     // CPU internals and are built for the CPU ggml was built for: with `-march=native` where
     // llama.cpp is (GGML_NATIVE), else as stubs.
     let native = cache.lines().any(|l| l == "GGML_NATIVE:BOOL=ON");

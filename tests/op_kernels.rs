@@ -1,6 +1,7 @@
-//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/q5_0_rows.cpp, vendor/drafter_ops.cpp)
-//! must give every logit the bits ggml's own kernels give it. The comparisons switch kernels off and on for the whole
-//! process, so they live in a test binary of their own, one test at a time.
+//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/q5_0_rows.cpp, vendor/drafter_ops.cpp,
+//! vendor/q8_0_attention.cpp) must give every output the bits ggml's own kernels give it. The
+//! comparisons switch kernels off and on for the whole process, so they live in a test binary of
+//! their own, one test at a time.
 mod common;
 
 use common::tail_logits;
@@ -57,37 +58,90 @@ fn q5_0_kernel_rounds_every_logit_as_ggml_does() {
     rounds_every_logit_as_ggml_does(OpKernel::Q5_0Rows, built);
 }
 
-/// The shipped drafter's reduced vocabulary (8,192 draft tokens) reaches the full one through
-/// logits rows filled with -inf as a tensor one element wide; its candidates are a top-k over
-/// those rows, its lattice rows are padded: dflash2's kernels for these ops must leave each
-/// block's lattice (candidates and transition scores) with the bits ggml's give it, at every
-/// block size the engine drafts.
-#[test]
-fn drafter_ops_give_the_drafter_the_same_lattices() {
+/// Every candidate and transition score of the shipped drafter's lattices at every block size the
+/// engine drafts, with `kernel` on against ggml's own kernel in its place, over 64 and 300 injected
+/// positions (before and past 256 cells of cache).
+fn drafter_lattices_as_ggml_gives_them(kernel: OpKernel) {
     use dflash2::draft::drafter::Drafter;
     use dflash2::llama::{CacheType, Context, ContextParams};
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels();
-    assert!(OpKernel::DrafterOps.is_on(), "the drafter ops are built everywhere");
     let target = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
     let drafter = Arc::new(Model::load(&common::shipped_drafter(), &ModelParams::default()).unwrap());
     let tctx = Context::new(target.clone(), &ContextParams { n_ctx: 512, ..ContextParams::default() }, None).unwrap();
-    let lattices = |ours: bool| {
-        assert_eq!(OpKernel::DrafterOps.set(ours), ours);
-        let mut d = Drafter::new(drafter.clone(), &tctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
-        let w = d.feature_width();
-        // any features: the comparison is between two fills of the same graph
-        let rows: Vec<f32> = (0..w * 64).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
-        d.inject(&rows, 0, 0).unwrap();
-        BLOCKS.map(|b| d.draft(&[(1234, 64, 0)], b).unwrap())
-    };
     const BLOCKS: [usize; 4] = [2, 4, 8, 16];
-    let ggml = lattices(false);
-    let ours = lattices(true);
-    for ((a, g), b) in ours.iter().zip(&ggml).zip(BLOCKS) {
-        let (a, g) = (&a[0], &g[0]);
-        assert_eq!(a.ids, g.ids, "block {b}: candidates differ from ggml's");
-        assert!(a.scores.iter().zip(&g.scores).all(|(x, y)| x.to_bits() == y.to_bits()), "block {b}: scores differ");
-        assert!(a.ids.iter().all(|&t| t >= 0 && t < target.n_vocab() as i32), "block {b}: candidates in the vocabulary");
+    for injected in [64, 300] {
+        let lattices = |ours: bool| {
+            assert_eq!(kernel.set(ours), ours);
+            let mut d = Drafter::new(drafter.clone(), &tctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
+            let w = d.feature_width();
+            // any features: the comparison is between two computations of the same graph
+            let rows: Vec<f32> = (0..w * injected).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+            d.inject(&rows, 0, 0).unwrap();
+            BLOCKS.map(|b| d.draft(&[(1234, injected, 0)], b).unwrap())
+        };
+        let ggml = lattices(false);
+        let ours = lattices(true);
+        for ((a, g), b) in ours.iter().zip(&ggml).zip(BLOCKS) {
+            let (a, g) = (&a[0], &g[0]);
+            assert_eq!(a.ids, g.ids, "{kernel:?}, {injected} positions, block {b}: candidates differ from ggml's");
+            let same = a.scores.iter().zip(&g.scores).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{kernel:?}, {injected} positions, block {b}: scores differ from ggml's");
+            assert!(a.ids.iter().all(|&t| t >= 0 && t < target.n_vocab() as i32), "block {b}: candidates in the vocabulary");
+        }
     }
+}
+
+/// The shipped drafter's reduced vocabulary (8,192 draft tokens) reaches the full one through
+/// logits rows filled with -inf as a tensor one element wide and scattered into; its candidates
+/// are a top-k over those rows, its lattice rows are padded, its convolutions repeat, add and
+/// multiply rows 16 wide: dflash2's kernels for these ops must leave each block's lattice with the
+/// bits ggml's give it.
+#[test]
+fn drafter_ops_give_the_drafter_the_same_lattices() {
+    dflash2::llama::install_kernels();
+    assert!(OpKernel::DrafterOps.is_on(), "the drafter ops are built everywhere");
+    drafter_lattices_as_ggml_gives_them(OpKernel::DrafterOps);
+}
+
+/// The drafter ops' adds, multiplies and repeats also take a target's ops of their shapes (its norm
+/// weights' broadcast products): every logit keeps its bits.
+#[test]
+fn drafter_ops_leave_every_target_logit_as_ggml_gives_it() {
+    rounds_every_logit_as_ggml_does(OpKernel::DrafterOps, true);
+}
+
+/// The drafter attends over its q8_0 cache with flash attention, which dflash2's kernel computes
+/// on AVX512-VNNI CPUs: SmolLM2's drafter has 3 query heads per KV head, so a block of 2-8 is one
+/// pass of 6-24 rows per KV head and a block of 16 two (10 and 6 tokens).
+#[test]
+fn q8_0_attention_gives_the_drafter_the_same_lattices() {
+    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    dflash2::llama::install_kernels();
+    assert_eq!(OpKernel::Q8_0Attention.is_on(), built, "the q8_0 attention must be on exactly where it is built");
+    if built {
+        drafter_lattices_as_ggml_gives_them(OpKernel::Q8_0Attention);
+    }
+}
+
+/// The kernels with a check of their own on random inputs (every op they take, in the drafter's
+/// shapes and others: tests/op_kernels.rs's lattices alone would miss a change that the drafter's
+/// quantized products round away) against ggml's, output for output, at 1 and 2 threads.
+#[test]
+fn drafter_kernels_round_every_output_as_ggml_does_on_random_inputs() {
+    let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
+    dflash2::llama::install_kernels();
+    let vnni = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    for kernel in [OpKernel::DrafterOps, OpKernel::Q8_0Attention] {
+        for seed in 1..=3 {
+            for threads in [1, 2] {
+                match kernel.differences(seed, threads).expect("the drafter kernels have random checks") {
+                    Ok(differing) => assert_eq!(differing, 0, "{kernel:?}, seed {seed}, {threads} threads: outputs differ from ggml's"),
+                    Err(e) => assert!(kernel == OpKernel::Q8_0Attention && !vnni, "{kernel:?}: {e}"),
+                }
+            }
+        }
+        assert!(kernel.is_on() || (kernel == OpKernel::Q8_0Attention && !vnni), "{kernel:?} is left on");
+    }
+    assert!(OpKernel::F16Attention.differences(1, 1).is_none(), "checked on real models only");
 }

@@ -2,10 +2,13 @@
 // of ggml's CPU "extra buffer types", whose traits ggml asks before computing any op.
 #pragma once
 
+#include "ggml-cpu.h"
 #include "ggml-cpu/traits.h"
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace dflash2 {
 
@@ -24,6 +27,8 @@ template <class Traits> class op_kernel : public ggml::cpu::extra_buffer_type {
         return enabled.load(std::memory_order_relaxed) && Traits::takes(op) ? &traits : nullptr;
     }
 
+    bool on() const { return enabled.load(std::memory_order_relaxed); }
+
     // Turns the kernel on or off for the whole process (registering it the first time): 1 on,
     // 0 off or not registered.
     int32_t set(bool on, const char * name) {
@@ -36,6 +41,31 @@ template <class Traits> class op_kernel : public ggml::cpu::extra_buffer_type {
         }
         enabled.store(false);
         return 0;
+    }
+
+    // Computes `out` (whose graph lives in `ctx`, inputs recomputed by the graph itself) with ggml's
+    // kernel and with this one, on n_threads threads, and counts the output elements whose bytes
+    // differ: -2 where this kernel would not take the op. Leaves the kernel as it found it.
+    int64_t differences(ggml_context * ctx, ggml_tensor * out, int n_threads, const char * name) {
+        if (!Traits::takes(out)) {
+            return -2;
+        }
+        ggml_cgraph * graph = ggml_new_graph(ctx);
+        ggml_build_forward_expand(graph, out);
+        const bool was_on = on();
+        const size_t bytes = ggml_nbytes(out), element = ggml_type_size(out->type);
+        set(false, name);
+        ggml_graph_compute_with_ctx(ctx, graph, n_threads);
+        std::vector<char> ggmls((const char *) out->data, (const char *) out->data + bytes);
+        std::memset(out->data, 0x7f, bytes);  // NaNs where a float output is left unwritten
+        set(true, name);
+        ggml_graph_compute_with_ctx(ctx, graph, n_threads);
+        set(was_on, name);
+        int64_t differing = 0;
+        for (size_t i = 0; i < bytes; i += element) {
+            differing += std::memcmp(ggmls.data() + i, (const char *) out->data + i, element) != 0;
+        }
+        return differing;
     }
 
   private:

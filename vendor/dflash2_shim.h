@@ -56,6 +56,23 @@ int32_t         dflash2_set_q5_0_rows(bool on);
  * fraction of the time (one run per thread; the same partial sort over the indices that can enter
  * it). Process-wide, as above. Returns 1 when on, 0 when off (or it failed to register). */
 int32_t         dflash2_set_drafter_ops(bool on);
+/* The same count for the drafter ops, each op they take on random inputs in the drafter graph's
+ * shapes and others: 0 when they agree, -2 where the kernels would not take one, -3 on an error. */
+int64_t         dflash2_drafter_ops_differences(uint32_t seed, int32_t n_threads);
+
+/* ---- flash attention over a q8_0 cache (vendor/q8_0_attention.cpp) ----
+ * Makes ggml's CPU backend run flash attention with q8_0 K and V (a DFlash drafter's cache) with a
+ * kernel that rounds every output as ggml's does, taking the query rows of a KV head through the
+ * cells together (each cell's K and V widened once for all of them). Process-wide, as above.
+ * Returns 1 when on, 0 when off (or it failed to register), -1 where this build has no
+ * AVX512-VNNI. */
+int32_t         dflash2_set_q8_0_attention(bool on);
+/* How many outputs of flash attention over random q8_0 K and V (head sizes 64 and 128, GQA groups
+ * of 1-8, 1-40 tokens, 1-700 cells, a mask of zeros, -inf and small biases; drawn from `seed`)
+ * differ in any bit between ggml's kernel and dflash2's, on n_threads threads: 0 when they agree;
+ * -1 where this build has no such kernel, -2 where it would not take a shape, -3 on an internal
+ * error. Turns the kernel off and on process-wide meanwhile (as dflash2_set_q8_0_attention). */
+int64_t         dflash2_q8_0_attention_differences(uint32_t seed, int32_t n_threads);
 
 /* ---- layer-input capture through cb_eval ----
  * The input of layer il is the graph tensor named "l_out-<il-1>". Install

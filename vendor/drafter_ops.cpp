@@ -9,13 +9,19 @@
 // - a top-k over those full rows, which ggml runs as a partial sort of all 49,152 indices although
 //   all but the 8,192 draft tokens are -inf;
 // - pads of the selector's rows to the embedding width, which ggml writes element by element with
-//   the outermost dimension innermost.
+//   the outermost dimension innermost;
+// - the scatter of the draft logits into those rows (a set_rows of rows one element wide: a call of
+//   ggml's f32 copy per logit);
+// - the DFlash 2 convolutions' repeats of one coefficient per group of 16 (a copy call per value, on
+//   one thread) and their adds and multiplies of rows 16 wide (ggml's index arithmetic per row).
 // These kernels give the same values: the fill writes the same constant over each thread's share of
 // the contiguous tensor; the pad copies the rows and writes the same zeros; the top-k runs the same
 // partial sort (the same standard library's) over the indices that can enter it (the first k, then
 // those whose value exceeds -inf: no other ever passes the sort's test against the heap), so it
-// takes the same steps and returns the same indices in the same order. They plug in as one of ggml's
-// CPU "extra buffer types" (vendor/cpu_extra.h).
+// takes the same steps and returns the same indices in the same order; the scatter and the repeats
+// copy the same values to the same places; the adds and multiplies round each sum or product once, as
+// ggml's do, over runs as long as the broadcast allows. They plug in as one of ggml's CPU "extra buffer
+// types" (vendor/cpu_extra.h).
 
 #include "dflash2_shim.h"
 #include "cpu_extra.h"
@@ -23,6 +29,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -47,6 +56,51 @@ bool wide_top_k(const ggml_tensor * op) {
     const ggml_tensor * src = op->src[0];
     return op->op == GGML_OP_TOP_K && op->type == GGML_TYPE_I32 && src && src->type == GGML_TYPE_F32 &&
            src->ne[0] >= 1024 && op->nb[0] == sizeof(int32_t) && src->nb[0] == sizeof(float);
+}
+
+// f32 set_rows of rows under 16 wide (the scatter of a reduced vocabulary's logits), I64 or I32 indices.
+bool narrow_set_rows(const ggml_tensor * op) {
+    const ggml_tensor * src = op->src[0];
+    const ggml_tensor * idx = op->src[1];
+    return op->op == GGML_OP_SET_ROWS && op->type == GGML_TYPE_F32 && src && src->type == GGML_TYPE_F32 && idx &&
+           (idx->type == GGML_TYPE_I64 || idx->type == GGML_TYPE_I32) && src->ne[0] < 16 && src->nb[0] == sizeof(float) &&
+           op->nb[0] == sizeof(float);
+}
+
+// f32 repeats from rows of contiguous elements into a contiguous tensor.
+bool f32_repeat(const ggml_tensor * op) {
+    const ggml_tensor * src = op->src[0];
+    return op->op == GGML_OP_REPEAT && op->type == GGML_TYPE_F32 && src && src->type == GGML_TYPE_F32 &&
+           src->nb[0] == sizeof(float) && ggml_is_contiguous(op);
+}
+
+// How many leading dimensions of a binary op's src1 match dst's (0 where src1's rows are not whole,
+// or an operand is not contiguous): runs over those dimensions are contiguous in all three operands.
+int binary_dims(const ggml_tensor * op) {
+    const ggml_tensor * a = op->src[0];
+    const ggml_tensor * b = op->src[1];
+    if (!ggml_is_contiguous(op) || !ggml_is_contiguous(a) || !ggml_is_contiguous(b)) {
+        return 0;
+    }
+    int d = 0;
+    while (d < GGML_MAX_DIMS && b->ne[d] == op->ne[d]) ++d;
+    return d;
+}
+
+int64_t binary_run(const ggml_tensor * op) {
+    int64_t run = 1;
+    for (int d = 0; d < binary_dims(op); ++d) run *= op->ne[d];
+    return run;
+}
+
+// f32 adds and multiplies of contiguous operands whose rows are narrow (under 64 wide) or broadcast
+// (src1 repeated over an outer dimension), where ggml's per-row index arithmetic dominates.
+bool small_binary(const ggml_tensor * op) {
+    const ggml_tensor * a = op->src[0];
+    const ggml_tensor * b = op->src[1];
+    return (op->op == GGML_OP_ADD || op->op == GGML_OP_MUL) && op->type == GGML_TYPE_F32 && a && b &&
+           a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 && ggml_are_same_shape(a, op) && binary_dims(op) > 0 &&
+           (op->ne[0] < 64 || binary_dims(op) < GGML_MAX_DIMS);
 }
 
 // Per thread, the top-k's candidate indices (as ggml's own buffer holds its indices).
@@ -78,6 +132,92 @@ void pad(const ggml_compute_params * params, ggml_tensor * op) {
         std::fill(row, row + p[0], 0.0f);
         std::memcpy(row + p[0], from, size_t(ne0 - p[0] - p[1]) * sizeof(float));
         std::fill(row + ne0 - p[1], row + ne0, 0.0f);
+    }
+}
+
+// ggml's split: each thread a run of the source rows, over every plane.
+template <typename idx_t> void set_rows(const ggml_compute_params * params, ggml_tensor * op) {
+    const ggml_tensor * src = op->src[0];
+    const ggml_tensor * idx = op->src[1];
+    const int64_t nc = src->ne[0], nr = src->ne[1];
+    const int64_t dr = (nr + params->nth - 1) / params->nth;
+    const int64_t ir0 = dr * params->ith, ir1 = std::min(ir0 + dr, nr);
+    for (int64_t i03 = 0; i03 < src->ne[3]; ++i03) {
+        for (int64_t i02 = 0; i02 < src->ne[2]; ++i02) {
+            const char * rows = (const char *) idx->data + (i02 % idx->ne[1]) * idx->nb[1] + (i03 % idx->ne[2]) * idx->nb[2];
+            const char * from = (const char *) src->data + i02 * src->nb[2] + i03 * src->nb[3];
+            char * to = (char *) op->data + i02 * op->nb[2] + i03 * op->nb[3];
+            for (int64_t i = ir0; i < ir1; ++i) {
+                const int64_t i1 = *(const idx_t *) (rows + i * idx->nb[0]);
+                GGML_ASSERT(i1 >= 0 && i1 < op->ne[1]);
+                const float * x = (const float *) (from + i * src->nb[1]);
+                float * y = (float *) (to + i1 * op->nb[1]);
+                if (nc == 1) {
+                    *y = *x;  // a logit (no call of a copy routine per value)
+                } else {
+                    std::copy(x, x + nc, y);
+                }
+            }
+        }
+    }
+}
+
+void repeat(const ggml_compute_params * params, ggml_tensor * op) {
+    const ggml_tensor * src = op->src[0];
+    const int64_t ne0 = op->ne[0], ne1 = op->ne[1], ne2 = op->ne[2];
+    const int64_t width = src->ne[0], rows = ggml_nrows(op);
+    const int64_t r0 = rows * params->ith / params->nth, r1 = rows * (params->ith + 1) / params->nth;
+    // the row's indices in dst and (wrapping with them) in src, counted on rather than divided out
+    int64_t i1 = r0 % ne1, i2 = (r0 / ne1) % ne2, i3 = r0 / (ne1 * ne2);
+    int64_t j1 = i1 % src->ne[1], j2 = i2 % src->ne[2], j3 = i3 % src->ne[3];
+    float * row = static_cast<float *>(op->data) + r0 * ne0;
+    for (int64_t r = r0; r < r1; ++r, row += ne0) {
+        const float * from = (const float *) ((const char *) src->data + j1 * src->nb[1] + j2 * src->nb[2] + j3 * src->nb[3]);
+        if (width == 1) {
+            std::fill(row, row + ne0, from[0]);
+        } else {
+            for (int64_t i0 = 0; i0 < ne0; i0 += width) std::copy(from, from + width, row + i0);
+        }
+        if (++j1 == src->ne[1]) j1 = 0;
+        if (++i1 == ne1) {
+            i1 = j1 = 0;
+            if (++j2 == src->ne[2]) j2 = 0;
+            if (++i2 == ne2) {
+                i2 = j2 = 0;
+                if (++j3 == src->ne[3]) j3 = 0;
+                ++i3;
+            }
+        }
+    }
+}
+
+// The operands as runs over binary_dims(op) dimensions: dst and src0 run on, src1 restarts where it
+// broadcasts. Each thread takes an even share of the elements.
+template <bool add> void binary(const ggml_compute_params * params, ggml_tensor * op) {
+    const ggml_tensor * b = op->src[1];
+    const int dims = binary_dims(op);
+    const int64_t run = binary_run(op), n = ggml_nelements(op);
+    const float * x = static_cast<const float *>(op->src[0]->data);
+    float * out = static_cast<float *>(op->data);
+    int64_t first = n * params->ith / params->nth;
+    const int64_t last = n * (params->ith + 1) / params->nth;
+    while (first < last) {
+        // src1's run: the run's index in each outer dimension, modulo src1's extent there
+        int64_t outer = first / run, offset = 0;
+        for (int d = dims; d < GGML_MAX_DIMS; ++d) {
+            offset += (outer % op->ne[d]) % b->ne[d] * int64_t(b->nb[d] / sizeof(float));
+            outer /= op->ne[d];
+        }
+        const int64_t at = first % run, len = std::min(run - at, last - first);
+        const float * y = static_cast<const float *>(b->data) + offset + at;
+        const float * xs = x + first;
+        float * o = out + first;
+        if (add) {
+            for (int64_t i = 0; i < len; ++i) o[i] = xs[i] + y[i];
+        } else {
+            for (int64_t i = 0; i < len; ++i) o[i] = xs[i] * y[i];
+        }
+        first += len;
     }
 }
 
@@ -118,7 +258,9 @@ void top_k(const ggml_compute_params * params, ggml_tensor * op) {
 
 class drafter_ops_traits : public ggml::cpu::tensor_traits {
   public:
-    static bool takes(const ggml_tensor * op) { return narrow_fill(op) || zero_pad(op) || wide_top_k(op); }
+    static bool takes(const ggml_tensor * op) {
+        return narrow_fill(op) || zero_pad(op) || wide_top_k(op) || narrow_set_rows(op) || f32_repeat(op) || small_binary(op);
+    }
 
     bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
         size = op->op == GGML_OP_TOP_K ? top_k_scratch(op) * sizeof(int32_t) * n_threads : 0;
@@ -129,6 +271,16 @@ class drafter_ops_traits : public ggml::cpu::tensor_traits {
         switch (op->op) {
             case GGML_OP_FILL: fill(params, op); break;
             case GGML_OP_PAD: pad(params, op); break;
+            case GGML_OP_SET_ROWS:
+                if (op->src[1]->type == GGML_TYPE_I64) {
+                    set_rows<int64_t>(params, op);
+                } else {
+                    set_rows<int32_t>(params, op);
+                }
+                break;
+            case GGML_OP_REPEAT: repeat(params, op); break;
+            case GGML_OP_ADD: binary<true>(params, op); break;
+            case GGML_OP_MUL: binary<false>(params, op); break;
             default: top_k(params, op); break;
         }
         return true;
@@ -137,8 +289,93 @@ class drafter_ops_traits : public ggml::cpu::tensor_traits {
 
 dflash2::op_kernel<drafter_ops_traits> kernel;
 
+// Each op the kernels take, in the drafter graph's shapes and in others, on random inputs, through
+// ggml's kernels and through these.
+int64_t differences(std::mt19937 & rng, int n_threads) {
+    ggml_init_params init = { size_t(64) << 20, nullptr, false };
+    ggml_context * ctx = ggml_init(init);
+    if (!ctx) {
+        return -3;
+    }
+    std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+    auto random = [&](int64_t ne0, int64_t ne1, int64_t ne2 = 1, int64_t ne3 = 1) {
+        ggml_tensor * t = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, ne0, ne1, ne2, ne3);
+        for (int64_t i = 0; i < ggml_nelements(t); ++i) ((float *) t->data)[i] = uniform(rng);
+        return t;
+    };
+    // distinct row indices (a permutation's head), n per plane over `planes` planes
+    auto rows = [&](ggml_type type, int64_t n, int64_t of, int64_t planes) {
+        ggml_tensor * t = ggml_new_tensor_2d(ctx, type, n, planes);
+        std::vector<int64_t> order(static_cast<size_t>(of));
+        for (int64_t p = 0; p < planes; ++p) {
+            std::iota(order.begin(), order.end(), 0);
+            std::shuffle(order.begin(), order.end(), rng);
+            for (int64_t i = 0; i < n; ++i) {
+                if (type == GGML_TYPE_I64) {
+                    ((int64_t *) t->data)[p * n + i] = order[size_t(i)];
+                } else {
+                    ((int32_t *) t->data)[p * n + i] = (int32_t) order[size_t(i)];
+                }
+            }
+        }
+        return t;
+    };
+    // a vocabulary-wide row set, finite at `finite` random places per row, -inf elsewhere
+    auto sparse = [&](int64_t width, int64_t n_rows, int64_t finite) {
+        ggml_tensor * t = random(width, n_rows);
+        std::vector<int64_t> order(static_cast<size_t>(width));
+        for (int64_t r = 0; r < n_rows; ++r) {
+            std::iota(order.begin(), order.end(), 0);
+            std::shuffle(order.begin(), order.end(), rng);
+            for (int64_t i = finite; i < width; ++i) ((float *) t->data)[r * width + order[size_t(i)]] = -INFINITY;
+        }
+        return t;
+    };
+    const int64_t vocab = 49152, draft = 8192;
+    ggml_tensor * cases[] = {
+        ggml_fill(ctx, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, vocab, 3), -INFINITY),
+        // the draft logits' scatter, as the DFlash graph builds it
+        ggml_set_rows(ctx, ggml_fill(ctx, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, vocab, 5), -INFINITY),
+                      random(1, draft, 5), ggml_reshape_3d(ctx, rows(GGML_TYPE_I64, draft, vocab, 1), draft, 1, 1)),
+        // (into a copy the graph makes afresh: set_rows writes in place)
+        ggml_set_rows(ctx, ggml_dup(ctx, random(3, 100, 2)), random(3, 40, 2), rows(GGML_TYPE_I32, 40, 100, 2)),
+        ggml_top_k(ctx, sparse(vocab, 3, draft), 16),
+        ggml_top_k(ctx, sparse(2048, 2, 2048), 16),
+        ggml_top_k(ctx, sparse(1500, 2, 5), 16),
+        ggml_pad_ext(ctx, random(576, 7), 0, 0, 1, 0, 0, 0, 0, 0),
+        ggml_pad(ctx, random(272, 3, 2), 576 - 272, 0, 0, 0),
+        ggml_repeat_4d(ctx, random(1, 36, 4, 8), 16, 36, 4, 8),
+        ggml_repeat(ctx, random(3, 2, 1, 2), ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 12, 4, 3, 2)),
+        ggml_add(ctx, random(16, 36, 4, 8), random(16, 36, 4, 1)),
+        ggml_mul(ctx, random(64, 9, 8), random(64, 1, 1)),
+        ggml_add(ctx, random(16, 3, 5, 2), random(16, 3, 1, 2)),
+        ggml_add(ctx, random(16, 3, 4, 2), random(16, 3, 2, 1)),
+        ggml_mul(ctx, random(16, 4, 3), random(16, 4, 3)),
+    };
+    int64_t differing = 0;
+    for (ggml_tensor * out : cases) {
+        const int64_t d = kernel.differences(ctx, out, n_threads, "DFLASH2_DRAFTER_OPS");
+        if (d < 0) {
+            differing = d;
+            break;
+        }
+        differing += d;
+    }
+    ggml_free(ctx);
+    return differing;
+}
+
 }  // namespace
 
 extern "C" int32_t dflash2_set_drafter_ops(bool on) {
     return kernel.set(on, "DFLASH2_DRAFTER_OPS");
+}
+
+extern "C" int64_t dflash2_drafter_ops_differences(uint32_t seed, int32_t n_threads) {
+    try {
+        std::mt19937 rng(seed);
+        return differences(rng, n_threads);
+    } catch (...) {
+        return -3;
+    }
 }

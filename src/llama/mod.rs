@@ -61,8 +61,10 @@ pub const NO_FEW_ROW_KERNELS: &str = "DFLASH2_NO_FEW_ROW_KERNELS";
 pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
 pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
+pub const NO_Q8_0_ATTENTION: &str = "DFLASH2_NO_Q8_0_ATTENTION";
 /// Every switch: they change the kernels that run, so the probe cache keys on them.
-pub const KERNEL_SWITCHES: &[&str] = &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_OPS];
+pub const KERNEL_SWITCHES: &[&str] =
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -114,10 +116,15 @@ pub enum OpKernel {
     /// The DFlash drafter graph's fills of narrow rows, zero pads and vocabulary-wide top-k
     /// (vendor/drafter_ops.cpp), which ggml runs element by element.
     DrafterOps,
+    /// Flash attention over a q8_0 cache, a DFlash drafter's (vendor/q8_0_attention.cpp): the
+    /// query rows of a KV head through the cells together, each cell widened once. Built for
+    /// AVX512-VNNI.
+    Q8_0Attention,
 }
 
 impl OpKernel {
-    pub const ALL: [OpKernel; 3] = [OpKernel::F16Attention, OpKernel::Q5_0Rows, OpKernel::DrafterOps];
+    pub const ALL: [OpKernel; 4] =
+        [OpKernel::F16Attention, OpKernel::Q5_0Rows, OpKernel::DrafterOps, OpKernel::Q8_0Attention];
 
     /// What the kernel computes, for reports.
     pub fn what(self) -> &'static str {
@@ -125,6 +132,7 @@ impl OpKernel {
             OpKernel::F16Attention => "attention over an f16 cache",
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads and top-k",
+            OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
         }
     }
 
@@ -134,6 +142,7 @@ impl OpKernel {
             OpKernel::F16Attention => "f16_attention",
             OpKernel::Q5_0Rows => "q5_0_rows",
             OpKernel::DrafterOps => "drafter_ops",
+            OpKernel::Q8_0Attention => "q8_0_attention",
         }
     }
 
@@ -143,6 +152,7 @@ impl OpKernel {
             OpKernel::F16Attention => NO_F16_ATTENTION,
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
             OpKernel::DrafterOps => NO_DRAFTER_OPS,
+            OpKernel::Q8_0Attention => NO_Q8_0_ATTENTION,
         }
     }
 
@@ -155,10 +165,33 @@ impl OpKernel {
                 OpKernel::F16Attention => shim::dflash2_set_f16_attention(on),
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
                 OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
+                OpKernel::Q8_0Attention => shim::dflash2_set_q8_0_attention(on),
             }
         };
         OP_KERNELS_ON[self as usize].store(state == 1, Ordering::Relaxed);
         state == 1
+    }
+
+    /// Runs every op the kernel takes on random inputs drawn from `seed` (the shapes the kernel's
+    /// C entry lists) through ggml's kernel and through this one on `threads` threads, and counts
+    /// the outputs whose bits differ (0: they agree). None for the kernels checked on real models
+    /// only (tests/op_kernels.rs). Switches the kernel process-wide meanwhile, so only while no
+    /// decode runs in the process; leaves it as it was.
+    pub fn differences(self, seed: u32, threads: i32) -> Option<std::result::Result<u64, String>> {
+        init_backend();
+        let n = unsafe {
+            match self {
+                OpKernel::DrafterOps => shim::dflash2_drafter_ops_differences(seed, threads),
+                OpKernel::Q8_0Attention => shim::dflash2_q8_0_attention_differences(seed, threads),
+                OpKernel::F16Attention | OpKernel::Q5_0Rows => return None,
+            }
+        };
+        Some(match n {
+            -1 => Err(format!("this build has no {} kernel", self.key())),
+            -2 => Err(format!("the {} kernel does not take one of its checks' ops", self.key())),
+            n if n < 0 => Err(format!("the {} check failed ({n})", self.key())),
+            n => Ok(n as u64),
+        })
     }
 
     /// Whether the kernel computes this process's ops of its kind.
@@ -182,3 +215,4 @@ pub fn install_kernels() {
         }
     });
 }
+
