@@ -51,10 +51,12 @@ int32_t         dflash2_set_f16_attention(bool on);
 int32_t         dflash2_set_q5_0_rows(bool on);
 
 /* ---- the DFlash drafter graph's small ops (vendor/drafter_ops.cpp) ----
- * Makes ggml's CPU backend run the fills of rows under 16 wide, the zero pads and the top-k over
- * vocabulary-wide rows of a DFlash drafter's graph with kernels that give the same values in a
- * fraction of the time (one run per thread; the same partial sort over the indices that can enter
- * it). Process-wide, as above. Returns 1 when on, 0 when off (or it failed to register). */
+ * Makes ggml's CPU backend run the fills of rows under 16 wide, the zero pads, the top-k over
+ * vocabulary-wide rows, the set_rows of rows under 16 wide, the f32 repeats and the f32 adds and
+ * multiplies of narrow or broadcast rows of a DFlash drafter's graph with kernels that give the
+ * same values in a fraction of the time (one run per thread; the same partial sort over the indices
+ * that can enter it; no call or division per value). Process-wide, as above. Returns 1 when on, 0
+ * when off (or it failed to register). */
 int32_t         dflash2_set_drafter_ops(bool on);
 /* The same count for the drafter ops, each op they take on random inputs in the drafter graph's
  * shapes and others: 0 when they agree, -2 where the kernels would not take one, -3 on an error. */

@@ -232,12 +232,25 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         (false, true) => "repack off (repacked batches round differently)",
         (false, false) => "none is bit-identical: speculative output may differ from plain decoding",
     };
+    // The kernels with a check of their own run it here, on this CPU and this build: every op
+    // they take, on random inputs, against ggml's own kernels.
+    let random_checks: Vec<_> = crate::llama::OpKernel::ALL
+        .into_iter()
+        .filter(|k| k.is_on())
+        .filter_map(|k| Some((k, k.differences(1, args.threads)?)))
+        .collect();
     if args.json {
         let mut out = serde_json::json!({ "file": args.file, "threads": args.threads, "cache_type_k": args.cache_type_k.name(),
             "cache_type_v": args.cache_type_v.name(), "context": context, "flash_attn_ref": args.flash_attn_ref,
             "system_info": crate::llama::system_info(), "few_row_weights": few_row_weights, "probes": probes, "choice": choice });
         for kernel in crate::llama::OpKernel::ALL {
             out[kernel.key()] = kernel.is_on().into();
+        }
+        for (kernel, check) in &random_checks {
+            out[format!("{}_random_check", kernel.key())] = match check {
+                Ok(differing) => serde_json::json!({ "differing_outputs": differing }),
+                Err(e) => serde_json::json!({ "error": e }),
+            };
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -269,7 +282,13 @@ fn check(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         println!("repacked for AMX: {few_row_weights} weights multiply 2-6 rows with dflash2's few-row kernels");
     }
     for kernel in crate::llama::OpKernel::ALL.into_iter().filter(|k| k.is_on()) {
-        println!("{}: dflash2's kernel (the same values as ggml's; {}=1 for ggml's)", kernel.what(), kernel.switch());
+        let checked = match random_checks.iter().find(|(k, _)| *k == kernel).map(|(_, c)| c) {
+            None => String::new(),
+            Some(Ok(0)) => "; on random inputs here: bit-identical".into(),
+            Some(Ok(n)) => format!("; on random inputs here: {n} outputs DIFFER"),
+            Some(Err(e)) => format!("; random check failed: {e}"),
+        };
+        println!("{}: dflash2's kernel (the same values as ggml's; {}=1 for ggml's{checked})", kernel.what(), kernel.switch());
     }
     println!("choice: {choice}");
     Ok(())

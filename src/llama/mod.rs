@@ -113,8 +113,9 @@ pub enum OpKernel {
     /// Products of Q5_0 weights (vendor/q5_0_rows.cpp): each weight block unpacked once for up to
     /// four activation rows, several weight rows side by side. Built for AVX512-VNNI.
     Q5_0Rows,
-    /// The DFlash drafter graph's fills of narrow rows, zero pads and vocabulary-wide top-k
-    /// (vendor/drafter_ops.cpp), which ggml runs element by element.
+    /// The DFlash drafter graph's fills of narrow rows, zero pads, vocabulary-wide top-k, scatters
+    /// of narrow rows, repeats and broadcast adds and multiplies (vendor/drafter_ops.cpp), which
+    /// ggml runs element by element or row by row.
     DrafterOps,
     /// Flash attention over a q8_0 cache, a DFlash drafter's (vendor/q8_0_attention.cpp): the
     /// query rows of a KV head through the cells together, each cell widened once. Built for
@@ -131,7 +132,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => "attention over an f16 cache",
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
-            OpKernel::DrafterOps => "a DFlash drafter's fills, pads and top-k",
+            OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
         }
     }
