@@ -15,8 +15,9 @@
 // times the scale, plus the mask; the online softmax in the cells' order with the same expf, the
 // accumulator scaled by the same factors, the same dequantized V values (quant times scale) in the same
 // fused multiply-adds, the sum as a fused S * ms + vs; and the same final division. What changes: the
-// rows that share a KV head go through the cells together, each cell's K and V read and widened once
-// for all of them, with no call per cell. It plugs in as one of ggml's CPU "extra buffer types"
+// V rows of the cells that the rows of a KV head read are widened once for all of them; each row then
+// takes its scores and the softmax's steps in a first pass (no call per cell but expf) and its
+// accumulator, in registers, in a second. It plugs in as one of ggml's CPU "extra buffer types"
 // (vendor/cpu_extra.h) and takes flash attention with q8_0 K and V, f32 queries, an f16 mask or none,
 // no sinks, ALiBi or soft-capping.
 //
@@ -49,7 +50,7 @@ namespace {
 
 constexpr int QK = 32;
 
-// The head sizes taken: whole q8_0 blocks, and an accumulator that stays in registers' reach.
+// The head sizes taken: whole q8_0 blocks, and an accumulator of at most 16 registers.
 constexpr int64_t MAX_HEAD = 256;
 
 // The most query rows (of one KV head) that go through the cells together.
