@@ -87,20 +87,17 @@ int binary_dims(const ggml_tensor * op) {
     return d;
 }
 
-int64_t binary_run(const ggml_tensor * op) {
-    int64_t run = 1;
-    for (int d = 0; d < binary_dims(op); ++d) run *= op->ne[d];
-    return run;
-}
-
 // f32 adds and multiplies of contiguous operands whose rows are narrow (under 64 wide) or broadcast
 // (src1 repeated over an outer dimension), where ggml's per-row index arithmetic dominates.
 bool small_binary(const ggml_tensor * op) {
     const ggml_tensor * a = op->src[0];
     const ggml_tensor * b = op->src[1];
-    return (op->op == GGML_OP_ADD || op->op == GGML_OP_MUL) && op->type == GGML_TYPE_F32 && a && b &&
-           a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_F32 && ggml_are_same_shape(a, op) && binary_dims(op) > 0 &&
-           (op->ne[0] < 64 || binary_dims(op) < GGML_MAX_DIMS);
+    if (!(op->op == GGML_OP_ADD || op->op == GGML_OP_MUL) || op->type != GGML_TYPE_F32 || !a || !b ||
+        a->type != GGML_TYPE_F32 || b->type != GGML_TYPE_F32 || !ggml_are_same_shape(a, op)) {
+        return false;
+    }
+    const int dims = binary_dims(op);
+    return dims > 0 && (op->ne[0] < 64 || dims < GGML_MAX_DIMS);
 }
 
 // Per thread, the top-k's candidate indices (as ggml's own buffer holds its indices).
@@ -196,7 +193,9 @@ void repeat(const ggml_compute_params * params, ggml_tensor * op) {
 template <bool add> void binary(const ggml_compute_params * params, ggml_tensor * op) {
     const ggml_tensor * b = op->src[1];
     const int dims = binary_dims(op);
-    const int64_t run = binary_run(op), n = ggml_nelements(op);
+    int64_t run = 1;
+    for (int d = 0; d < dims; ++d) run *= op->ne[d];
+    const int64_t n = ggml_nelements(op);
     const float * x = static_cast<const float *>(op->src[0]->data);
     float * out = static_cast<float *>(op->data);
     int64_t first = n * params->ith / params->nth;
@@ -287,7 +286,7 @@ class drafter_ops_traits : public ggml::cpu::tensor_traits {
     }
 };
 
-dflash2::op_kernel<drafter_ops_traits> kernel;
+dflash2::op_kernel<drafter_ops_traits> kernel{ "DFLASH2_DRAFTER_OPS" };
 
 // Each op the kernels take, in the drafter graph's shapes and in others, on random inputs, through
 // ggml's kernels and through these.
@@ -303,13 +302,18 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
         for (int64_t i = 0; i < ggml_nelements(t); ++i) ((float *) t->data)[i] = uniform(rng);
         return t;
     };
+    // 0..n-1 in a random order
+    auto shuffled = [&](int64_t n) {
+        std::vector<int64_t> order(static_cast<size_t>(n));
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        return order;
+    };
     // distinct row indices (a permutation's head), n per plane over `planes` planes
     auto rows = [&](ggml_type type, int64_t n, int64_t of, int64_t planes) {
         ggml_tensor * t = ggml_new_tensor_2d(ctx, type, n, planes);
-        std::vector<int64_t> order(static_cast<size_t>(of));
         for (int64_t p = 0; p < planes; ++p) {
-            std::iota(order.begin(), order.end(), 0);
-            std::shuffle(order.begin(), order.end(), rng);
+            const std::vector<int64_t> order = shuffled(of);
             for (int64_t i = 0; i < n; ++i) {
                 if (type == GGML_TYPE_I64) {
                     ((int64_t *) t->data)[p * n + i] = order[size_t(i)];
@@ -323,10 +327,8 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
     // a vocabulary-wide row set, finite at `finite` random places per row, -inf elsewhere
     auto sparse = [&](int64_t width, int64_t n_rows, int64_t finite) {
         ggml_tensor * t = random(width, n_rows);
-        std::vector<int64_t> order(static_cast<size_t>(width));
         for (int64_t r = 0; r < n_rows; ++r) {
-            std::iota(order.begin(), order.end(), 0);
-            std::shuffle(order.begin(), order.end(), rng);
+            const std::vector<int64_t> order = shuffled(width);
             for (int64_t i = finite; i < width; ++i) ((float *) t->data)[r * width + order[size_t(i)]] = -INFINITY;
         }
         return t;
@@ -354,7 +356,7 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
     };
     int64_t differing = 0;
     for (ggml_tensor * out : cases) {
-        const int64_t d = kernel.differences(ctx, out, n_threads, "DFLASH2_DRAFTER_OPS");
+        const int64_t d = kernel.differences(ctx, out, n_threads);
         if (d < 0) {
             differing = d;
             break;
@@ -368,7 +370,7 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
 }  // namespace
 
 extern "C" int32_t dflash2_set_drafter_ops(bool on) {
-    return kernel.set(on, "DFLASH2_DRAFTER_OPS");
+    return kernel.set(on);
 }
 
 extern "C" int64_t dflash2_drafter_ops_differences(uint32_t seed, int32_t n_threads) {

@@ -277,14 +277,14 @@ class f16_attention_traits : public ggml::cpu::tensor_traits {
     }
 };
 
-dflash2::op_kernel<f16_attention_traits> kernel;
+dflash2::op_kernel<f16_attention_traits> kernel{ "DFLASH2_F16_ATTENTION" };
 
 }  // namespace
 #endif
 
 extern "C" int32_t dflash2_set_f16_attention(bool on) {
 #if DFLASH2_F16_ATTENTION
-    return kernel.set(on, "DFLASH2_F16_ATTENTION");
+    return kernel.set(on);
 #else
     (void) on;
     return -1;

@@ -56,15 +56,6 @@ constexpr size_t MAX_WORK = size_t(64) << 20;
 
 inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(act_block) + sizeof(block_q8_0)); }
 
-// ggml's hsum_float_8, operation for operation.
-inline float hsum_float_8(const __m256 x) {
-    __m128 res = _mm256_extractf128_ps(x, 1);
-    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
-    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
-    res = _mm_add_ss(res, _mm_movehdup_ps(res));
-    return _mm_cvtss_f32(res);
-}
-
 // A Q5_0 block's 32 weights as unsigned bytes w + 16 (0..31), in ggml's order: the low nibbles of
 // qs are weights 0..15, the high nibbles 16..31, bit k of qh is weight k's fifth bit.
 inline __m256i unpack(const block_q5_0 & b) {
@@ -99,7 +90,7 @@ inline void tile(int64_t blocks, const char * x, size_t stride, const act_block 
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) out[g][r] = hsum_float_8(acc[r][g]);
+        for (int g = 0; g < G; ++g) out[g][r] = dflash2::hsum_float_8(acc[r][g]);
 }
 
 template <int R>
@@ -184,14 +175,14 @@ class q5_0_rows_traits : public ggml::cpu::tensor_traits {
     }
 };
 
-dflash2::op_kernel<q5_0_rows_traits> kernel;
+dflash2::op_kernel<q5_0_rows_traits> kernel{ "DFLASH2_Q5_0_ROWS" };
 
 }  // namespace
 #endif
 
 extern "C" int32_t dflash2_set_q5_0_rows(bool on) {
 #if DFLASH2_Q5_0_ROWS
-    return kernel.set(on, "DFLASH2_Q5_0_ROWS");
+    return kernel.set(on);
 #else
     (void) on;
     return -1;

@@ -64,15 +64,6 @@ struct query_block {
     float d;
 };
 
-// ggml's hsum_float_8, operation for operation.
-inline float hsum_float_8(const __m256 x) {
-    __m128 res = _mm256_extractf128_ps(x, 1);
-    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
-    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
-    res = _mm_add_ss(res, _mm_movehdup_ps(res));
-    return _mm_cvtss_f32(res);
-}
-
 // The per-row buffers of one pass: the cells a row reads and the online softmax's factors there.
 struct softmax_steps {
     std::vector<int32_t> cell;
@@ -103,7 +94,7 @@ void attend(const query_block * q, int64_t blocks, const ggml_fp16_t * mask, int
             dot = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(kc[b].d) * q[b].d), _mm256_cvtepi32_ps(lanes), dot);
         }
         // ggml rounds the scaled score before adding the mask (no fused multiply-add)
-        float s = hsum_float_8(dot) * scale;
+        float s = dflash2::hsum_float_8(dot) * scale;
         asm("" : "+x"(s));
         s += mv;
         float ms = 1.0f, vs = 1.0f;
@@ -134,6 +125,12 @@ void attend(const query_block * q, int64_t blocks, const ggml_fp16_t * mask, int
     const __m512 f = _mm512_set1_ps(sum == 0.0f ? 0.0f : 1.0f / sum);
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], f));
 }
+
+// attend<NV> by head size over 16 (head sizes are whole q8_0 blocks up to MAX_HEAD: even NV).
+constexpr decltype(&attend<2>) ATTEND[MAX_HEAD / 16 + 1] = {
+    nullptr, nullptr, attend<2>, nullptr, attend<4>, nullptr, attend<6>, nullptr, attend<8>,
+    nullptr, attend<10>, nullptr, attend<12>, nullptr, attend<14>, nullptr, attend<16>,
+};
 
 class q8_0_attention_traits : public ggml::cpu::tensor_traits {
   public:
@@ -198,6 +195,7 @@ class q8_0_attention_traits : public ggml::cpu::tensor_traits {
         steps.vs.resize(size_t(cells));
         const ggml_fp16_t * masks[MAX_ROWS];
         float * outs[MAX_ROWS];
+        const auto attend_row = ATTEND[head / 16];
 
         for (int64_t u = params->ith; u < units; u += params->nth) {
             const int64_t run = u % runs, ik2 = (u / runs) % kv_heads, iq3 = u / (runs * kv_heads);
@@ -254,24 +252,14 @@ class q8_0_attention_traits : public ggml::cpu::tensor_traits {
                 }
             }
             for (int i = 0; i < n; ++i) {
-                const query_block * qb = queries.data() + i * blocks;
-                switch (head / 16) {
-                    case 4: attend<4>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                    case 8: attend<8>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                    case 2: attend<2>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                    case 6: attend<6>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                    case 10: attend<10>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                    case 12: attend<12>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                    case 14: attend<14>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                    default: attend<16>(qb, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]); break;
-                }
+                attend_row(queries.data() + i * blocks, blocks, masks[i], cells, k_base, k->nb[1], values.data(), scale, steps, outs[i]);
             }
         }
         return true;
     }
 };
 
-dflash2::op_kernel<q8_0_attention_traits> kernel;
+dflash2::op_kernel<q8_0_attention_traits> kernel{ "DFLASH2_Q8_0_ATTENTION" };
 
 // Random q8_0 K and V of n_cells cells (laid out as a cache: heads inside cells), queries laid out
 // as llama.cpp's (heads inside tokens), a mask of zeros, -inf and small biases (with one token
@@ -303,7 +291,7 @@ int64_t differences(int head, int n_tokens, int n_heads, int n_kv_heads, int n_c
         }
     }
     ggml_tensor * out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3), k, v, mask, 1.0f / std::sqrt(float(head)), 0.0f, 0.0f);
-    const int64_t differing = kernel.differences(ctx, out, n_threads, "DFLASH2_Q8_0_ATTENTION");
+    const int64_t differing = kernel.differences(ctx, out, n_threads);
     ggml_free(ctx);
     return differing;
 }
@@ -313,7 +301,7 @@ int64_t differences(int head, int n_tokens, int n_heads, int n_kv_heads, int n_c
 
 extern "C" int32_t dflash2_set_q8_0_attention(bool on) {
 #if DFLASH2_Q8_0_ATTENTION
-    return kernel.set(on, "DFLASH2_Q8_0_ATTENTION");
+    return kernel.set(on);
 #else
     (void) on;
     return -1;

@@ -216,4 +216,3 @@ pub fn install_kernels() {
         }
     });
 }
-

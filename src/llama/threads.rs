@@ -5,10 +5,10 @@
 //! kernel has not scheduled: on 2 cores beside a 2-thread job, a 2-thread SmolLM2 step ran at
 //! 2-4 tok/s where 1 thread ran at 73 (BENCHMARKS.md). So the thread count is not fixed: the
 //! governor keeps a moving average of decode time per kind of decode and batch-size class for
-//! each candidate count, now and then times a decode with the other candidate, and moves to it when it is
-//! clearly faster. A jump in the current count's time (contention starting) triggers a probe
-//! at once. The thread count never changes what a decode computes (each output is computed by
-//! one thread; `tests/batch_invariance.rs` checks it bit for bit), only how fast.
+//! each candidate count, now and then times a decode with the other candidate, and moves to it
+//! when it is clearly faster. A jump in the current count's time (contention starting) triggers
+//! a probe at once. The thread count never changes what a decode computes (each output is
+//! computed by one thread; `tests/batch_invariance.rs` checks it bit for bit), only how fast.
 
 /// Decodes of one class between two probes of the other candidate, at first and at most. At
 /// first: of the half team while the full team runs, rarely (contention shows first as the full
