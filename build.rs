@@ -16,8 +16,8 @@ const KERNELS: &[&str] = &[
     "vendor/cpu_extra.cpp",
     "vendor/drafter_ops.cpp",
     "vendor/f16_attention.cpp",
-    "vendor/q5_0_rows.cpp",
     "vendor/q8_0_attention.cpp",
+    "vendor/quant_rows.cpp",
 ];
 const KERNEL_HEADER: &str = "vendor/cpu_extra.h";
 

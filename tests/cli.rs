@@ -241,10 +241,12 @@ fn inspect_check_probes_at_a_given_context_with_reference_flash_attention() {
         assert_eq!(sizes, [2, 4], "{p}");
         assert!(p["checks"].as_array().unwrap().iter().all(|c| c["identical"] == true), "{p}");
     }
-    // the drafter's kernels check themselves against ggml's on random inputs, on this CPU
+    // the kernels check themselves against ggml's on random inputs, on this CPU
     assert_eq!(j["drafter_ops_random_check"]["differing_outputs"], 0, "{j}");
-    if j["q8_0_attention"] == true {
-        assert_eq!(j["q8_0_attention_random_check"]["differing_outputs"], 0, "{j}");
+    for kernel in ["q8_0_attention", "q5_0_rows", "q8_0_rows"] {
+        if j[kernel] == true {
+            assert_eq!(j[format!("{kernel}_random_check")]["differing_outputs"], 0, "{kernel}: {j}");
+        }
     }
 }
 

@@ -1,5 +1,5 @@
-// Registration of dflash2's op kernels (drafter_ops.cpp, f16_attention.cpp, q5_0_rows.cpp) with
-// ggml's CPU backend.
+// Registration of dflash2's op kernels (drafter_ops.cpp, f16_attention.cpp, q8_0_attention.cpp,
+// quant_rows.cpp) with ggml's CPU backend.
 
 #include "cpu_extra.h"
 

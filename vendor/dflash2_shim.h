@@ -43,12 +43,20 @@ int32_t         dflash2_model_few_row_kernels(struct llama_model * model);
  * register), -1 where this build has no AVX-512. */
 int32_t         dflash2_set_f16_attention(bool on);
 
-/* ---- Q5_0 weights (vendor/q5_0_rows.cpp) ----
- * Makes ggml's CPU backend multiply 2-D Q5_0 weights by f32 activations with a kernel that rounds
- * every output as ggml_vec_dot_q5_0_q8_0 does, unpacking each weight block once for up to four
- * activation rows and running several weight rows side by side. Process-wide, as above. Returns
- * 1 when on, 0 when off (or it failed to register), -1 where this build has no AVX512-VNNI. */
+/* ---- Q5_0 and Q8_0 weights (vendor/quant_rows.cpp) ----
+ * Make ggml's CPU backend multiply 2-D Q5_0 (Q8_0) weights by f32 activations with a kernel that
+ * rounds every output as ggml_vec_dot_q5_0_q8_0 (ggml_vec_dot_q8_0_q8_0) does, reading each weight
+ * block once for up to four activation rows and running several weight rows side by side. One
+ * kernel per weight type; Q8_0 weights that ggml's AMX backend holds stay with it. Process-wide, as
+ * above. Return 1 when on, 0 when off (or it failed to register), -1 where this build has no
+ * AVX512-VNNI. */
 int32_t         dflash2_set_q5_0_rows(bool on);
+int32_t         dflash2_set_q8_0_rows(bool on);
+/* The count of outputs that differ from ggml's, over products of random weights of the type by
+ * random activation rows (1-17 rows, widths 32-1536): 0 when they agree, -1 where not built, -3 on
+ * an error. */
+int64_t         dflash2_q5_0_rows_differences(uint32_t seed, int32_t n_threads);
+int64_t         dflash2_q8_0_rows_differences(uint32_t seed, int32_t n_threads);
 
 /* ---- the DFlash drafter graph's small ops (vendor/drafter_ops.cpp) ----
  * Makes ggml's CPU backend run the fills of rows under 16 wide, the zero pads, the top-k over

@@ -18,7 +18,9 @@
 // the contiguous tensor; the pad copies the rows and writes the same zeros; the top-k runs the same
 // partial sort (the same standard library's) over the indices that can enter it (the first k, then
 // those whose value exceeds -inf: no other ever passes the sort's test against the heap), so it
-// takes the same steps and returns the same indices in the same order; the scatter and the repeats
+// takes the same steps and returns the same indices in the same order, and where the k largest
+// values and the next are distinct (the drafter's logits nearly always) it returns them largest
+// first without sorting, the only order ggml's sort can give them in; the scatter and the repeats
 // copy the same values to the same places; the adds and multiplies round each sum or product once, as
 // ggml's do, over runs as long as the broadcast allows. They plug in as one of ggml's CPU "extra buffer
 // types" (vendor/cpu_extra.h).
@@ -220,6 +222,97 @@ template <bool add> void binary(const ggml_compute_params * params, ggml_tensor 
     }
 }
 
+// ggml's own steps: its partial sort (the same standard library's) over the indices that can enter
+// it, the first k, then those whose value exceeds -inf (no other ever passes the sort's test against
+// the heap). `idx`: room for n + 16 indices.
+void sorted_top_k(const float * row, int64_t n, int k, int32_t * idx, int32_t * out) {
+    int64_t len = 0;
+    for (int32_t j = 0; j < k; ++j) idx[len++] = j;
+    int64_t j = k;
+#if defined(__AVX512F__)
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32((int32_t) j), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (; j + 16 <= n; j += 16) {
+        const __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), neg_inf, _CMP_GT_OQ);
+        // compressed in a register, then stored whole (a compressing store is microcoded on AMD)
+        _mm512_storeu_si512(idx + len, _mm512_maskz_compress_epi32(above, lanes));
+        len += __builtin_popcount(above);
+        lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
+    }
+#endif
+    for (; j < n; ++j) {
+        if (row[j] > -INFINITY) {
+            idx[len++] = (int32_t) j;
+        }
+    }
+    // ggml's comparison: the larger value first
+    std::partial_sort(idx, idx + k, idx + len, [row](int32_t a, int32_t b) { return row[a] > row[b]; });
+    std::copy(idx, idx + k, out);
+}
+
+// The k largest values of a row, largest first, when they and the next one are all distinct: ggml's
+// partial sort can then return only these, in this order, whatever the steps of its heap. False
+// where values tie at or above the (k+1)-th largest, the row holds a NaN, fewer than k + 1 values
+// exceed -inf or k is above MAX_DISTINCT_K: the caller then sorts as ggml does.
+constexpr int MAX_DISTINCT_K = 64;
+
+bool distinct_top_k(const float * row, int64_t n, int k, int32_t * out) {
+    if (k > MAX_DISTINCT_K) {
+        return false;
+    }
+    float val[MAX_DISTINCT_K + 1];
+    int32_t at[MAX_DISTINCT_K + 1];
+    int kept = 0;
+    float low = -INFINITY;  // the (k+1)-th largest so far: nothing at or below it can matter
+    auto take = [&](int64_t j) {
+        const float v = row[j];
+        int p = kept < k + 1 ? kept : k;
+        if (kept == k + 1 && !(v > val[k])) {
+            return;
+        }
+        for (; p > 0 && val[p - 1] < v; --p) {
+            val[p] = val[p - 1];
+            at[p] = at[p - 1];
+        }
+        val[p] = v;
+        at[p] = (int32_t) j;
+        kept += kept < k + 1;
+        if (kept == k + 1) {
+            low = val[k];
+        }
+    };
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(row + j);
+        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) {
+            return false;
+        }
+        for (__mmask16 above = _mm512_cmp_ps_mask(v, _mm512_set1_ps(low), _CMP_GT_OQ); above; above &= above - 1) {
+            take(j + __builtin_ctz(above));
+        }
+    }
+#endif
+    for (; j < n; ++j) {
+        if (std::isnan(row[j])) {
+            return false;
+        }
+        if (row[j] > low) {
+            take(j);
+        }
+    }
+    if (kept < k + 1) {
+        return false;
+    }
+    for (int i = 0; i < k; ++i) {
+        if (!(val[i] > val[i + 1])) {
+            return false;
+        }
+    }
+    std::copy(at, at + k, out);
+    return true;
+}
+
 void top_k(const ggml_compute_params * params, ggml_tensor * op) {
     const ggml_tensor * src = op->src[0];
     const int64_t n = src->ne[0], rows = ggml_nrows(src);
@@ -227,28 +320,10 @@ void top_k(const ggml_compute_params * params, ggml_tensor * op) {
     int32_t * idx = static_cast<int32_t *>(params->wdata) + top_k_scratch(op) * params->ith;
     for (int64_t i = params->ith; i < rows; i += params->nth) {
         const float * row = (const float *) ((const char *) src->data + i * src->nb[1]);
-        int64_t len = 0;
-        for (int32_t j = 0; j < k; ++j) idx[len++] = j;
-        int64_t j = k;
-#if defined(__AVX512F__)
-        const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-        __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32((int32_t) j), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        for (; j + 16 <= n; j += 16) {
-            const __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), neg_inf, _CMP_GT_OQ);
-            _mm512_mask_compressstoreu_epi32(idx + len, above, lanes);
-            len += __builtin_popcount(above);
-            lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
-        }
-#endif
-        for (; j < n; ++j) {
-            if (row[j] > -INFINITY) {
-                idx[len++] = (int32_t) j;
-            }
-        }
-        // ggml's comparison: the larger value first
-        std::partial_sort(idx, idx + k, idx + len, [row](int32_t a, int32_t b) { return row[a] > row[b]; });
         int32_t * out = (int32_t *) ((char *) op->data + i * op->nb[1]);
-        std::copy(idx, idx + k, out);
+        if (!distinct_top_k(row, n, k, out)) {
+            sorted_top_k(row, n, k, idx, out);
+        }
         if (k > 1) {
             std::swap(out[0], out[1]);  // as ggml does ("the order is not important")
         }
@@ -333,6 +408,11 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
         }
         return t;
     };
+    // the same rows with their values rounded to halves (many equal values)
+    auto coarse = [&](ggml_tensor * t) {
+        for (int64_t i = 0; i < ggml_nelements(t); ++i) ((float *) t->data)[i] = std::round(((float *) t->data)[i] * 2.0f) / 2.0f;
+        return t;
+    };
     const int64_t vocab = 49152, draft = 8192;
     ggml_tensor * cases[] = {
         ggml_fill(ctx, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, vocab, 3), -INFINITY),
@@ -344,6 +424,8 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
         ggml_top_k(ctx, sparse(vocab, 3, draft), 16),
         ggml_top_k(ctx, sparse(2048, 2, 2048), 16),
         ggml_top_k(ctx, sparse(1500, 2, 5), 16),
+        ggml_top_k(ctx, coarse(sparse(vocab, 4, draft)), 16),  // ties at the top: ggml's sort decides
+        ggml_top_k(ctx, sparse(4096, 2, 4096), 80),
         ggml_pad_ext(ctx, random(576, 7), 0, 0, 1, 0, 0, 0, 0, 0),
         ggml_pad(ctx, random(272, 3, 2), 576 - 272, 0, 0, 0),
         ggml_repeat_4d(ctx, random(1, 36, 4, 8), 16, 36, 4, 8),

@@ -62,9 +62,10 @@ pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
 pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
 pub const NO_Q8_0_ATTENTION: &str = "DFLASH2_NO_Q8_0_ATTENTION";
+pub const NO_Q8_0_ROWS: &str = "DFLASH2_NO_Q8_0_ROWS";
 /// Every switch: they change the kernels that run, so the probe cache keys on them.
 pub const KERNEL_SWITCHES: &[&str] =
-    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION];
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -110,7 +111,7 @@ pub enum OpKernel {
     /// Attention over an f16 cache without flash attention (vendor/f16_attention.cpp): each cache
     /// row converted once for the queries that read it. Built for AVX-512.
     F16Attention,
-    /// Products of Q5_0 weights (vendor/q5_0_rows.cpp): each weight block unpacked once for up to
+    /// Products of Q5_0 weights (vendor/quant_rows.cpp): each weight block unpacked once for up to
     /// four activation rows, several weight rows side by side. Built for AVX512-VNNI.
     Q5_0Rows,
     /// The DFlash drafter graph's fills of narrow rows, zero pads, vocabulary-wide top-k, scatters
@@ -121,11 +122,19 @@ pub enum OpKernel {
     /// query rows of a KV head through the cells together, each cell widened once. Built for
     /// AVX512-VNNI.
     Q8_0Attention,
+    /// Products of Q8_0 weights (a DFlash drafter's) that ggml's AMX backend does not hold
+    /// (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`]). Built for AVX512-VNNI.
+    Q8_0Rows,
 }
 
 impl OpKernel {
-    pub const ALL: [OpKernel; 4] =
-        [OpKernel::F16Attention, OpKernel::Q5_0Rows, OpKernel::DrafterOps, OpKernel::Q8_0Attention];
+    pub const ALL: [OpKernel; 5] = [
+        OpKernel::F16Attention,
+        OpKernel::Q5_0Rows,
+        OpKernel::DrafterOps,
+        OpKernel::Q8_0Attention,
+        OpKernel::Q8_0Rows,
+    ];
 
     /// What the kernel computes, for reports.
     pub fn what(self) -> &'static str {
@@ -134,6 +143,7 @@ impl OpKernel {
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
+            OpKernel::Q8_0Rows => "products of Q8_0 weights",
         }
     }
 
@@ -144,6 +154,7 @@ impl OpKernel {
             OpKernel::Q5_0Rows => "q5_0_rows",
             OpKernel::DrafterOps => "drafter_ops",
             OpKernel::Q8_0Attention => "q8_0_attention",
+            OpKernel::Q8_0Rows => "q8_0_rows",
         }
     }
 
@@ -154,6 +165,7 @@ impl OpKernel {
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
             OpKernel::DrafterOps => NO_DRAFTER_OPS,
             OpKernel::Q8_0Attention => NO_Q8_0_ATTENTION,
+            OpKernel::Q8_0Rows => NO_Q8_0_ROWS,
         }
     }
 
@@ -167,6 +179,7 @@ impl OpKernel {
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
                 OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
                 OpKernel::Q8_0Attention => shim::dflash2_set_q8_0_attention(on),
+                OpKernel::Q8_0Rows => shim::dflash2_set_q8_0_rows(on),
             }
         };
         OP_KERNELS_ON[self as usize].store(state == 1, Ordering::Relaxed);
@@ -184,7 +197,9 @@ impl OpKernel {
             match self {
                 OpKernel::DrafterOps => shim::dflash2_drafter_ops_differences(seed, threads),
                 OpKernel::Q8_0Attention => shim::dflash2_q8_0_attention_differences(seed, threads),
-                OpKernel::F16Attention | OpKernel::Q5_0Rows => return None,
+                OpKernel::Q5_0Rows => shim::dflash2_q5_0_rows_differences(seed, threads),
+                OpKernel::Q8_0Rows => shim::dflash2_q8_0_rows_differences(seed, threads),
+                OpKernel::F16Attention => return None,
             }
         };
         Some(match n {

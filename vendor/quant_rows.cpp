@@ -1,0 +1,292 @@
+// Products of Q5_0 and Q8_0 weights with activation rows.
+//
+// ggml has neither a repacked nor an AMX kernel for Q5_0, the type that K-quant files fall back to
+// for weights whose width is no multiple of 256 (most of Qwen2.5-0.5B's Q4_K_M), and on x86 it
+// repacks Q8_0 (a DFlash drafter's weights) only for AMX. It multiplies them by calling
+// ggml_vec_dot_q5_0_q8_0 / ggml_vec_dot_q8_0_q8_0 once per (weight row, activation row): per
+// 32-wide block it takes the integer dot products of the weights (Q5_0's unpacked to signed bytes)
+// with the activations' q8_0 block in 8 lanes of 4, and adds them, times the two blocks' scales,
+// into 8 float accumulators (fused multiply-adds in block order), reduced at the end as
+// hsum_float_8. On a 2-core Xeon that is 57% of a Qwen2.5-Coder-0.5B step (BENCHMARKS.md (n)); on
+// a 2-core EPYC without AMX the drafter's Q8_0 products are most of its call (BENCHMARKS.md (p)).
+//
+// This kernel gives every output the value ggml's gives it: the same exact integer lane sums (here
+// the weights made unsigned, w + 16 for Q5_0 and w + 128 for Q8_0, times the activations, counted
+// from -16 or -128 times the activations' lane sums: ggml's signed product), the same scale
+// product, the same chain of fused multiply-adds in block order, the same reduction. What changes:
+// the activations' scales and lane sums are prepared once per product; for several activation rows
+// each weight block is read once for up to four of them and four weight rows run side by side, so
+// that their chains overlap; for one (a plain step) the weights stream one row at a time, as ggml
+// reads them, each block with fewer instructions. It plugs in as one of ggml's CPU "extra buffer
+// types" (vendor/cpu_extra.h), one per weight type, and takes 2-D products of such weights in host
+// memory by f32 activations.
+//
+// Built for AVX-512 CPUs with VNNI (where ggml's dot products are its AVX2 ones) in the same
+// `-march=native` build as llama.cpp; elsewhere dflash2_set_q5_0_rows() and dflash2_set_q8_0_rows()
+// report that it is not built.
+
+#include "dflash2_shim.h"
+#include "cpu_extra.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define DFLASH2_QUANT_ROWS 1
+#include "ggml-cpu/quants.h"  // quantize_row_q8_0 (ggml's quantizer for the activations), the block types
+#include <immintrin.h>
+#else
+#define DFLASH2_QUANT_ROWS 0
+#endif
+
+#if DFLASH2_QUANT_ROWS
+namespace {
+
+constexpr int QK = 32;
+
+// How far ahead of its reads a tile of several rows asks for a weight row's blocks (the hardware
+// prefetcher alone leaves the products waiting on them: 10% of a drafter call on a 2-core EPYC).
+constexpr int PREFETCH_BLOCKS = 32;
+
+// The weight types: a block's 32 weights as unsigned bytes w + 2^shift, in ggml's order.
+struct q5_0 {
+    using block = block_q5_0;
+    static constexpr ggml_type type = GGML_TYPE_Q5_0;
+    static constexpr int shift = 4;
+    // The low nibbles of qs are weights 0..15, the high nibbles 16..31, bit k of qh is weight k's
+    // fifth bit: w + 16 is the 5-bit number itself.
+    static __m256i unsigned_weights(const block & b) {
+        __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) b.qs));
+        bytes = _mm256_srlv_epi64(bytes, _mm256_set_epi64x(4, 4, 0, 0));
+        bytes = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+        uint32_t qh;
+        std::memcpy(&qh, b.qh, sizeof(qh));
+        return _mm256_mask_add_epi8(bytes, (__mmask32) qh, bytes, _mm256_set1_epi8(16));
+    }
+};
+
+struct q8_0 {
+    using block = block_q8_0;
+    static constexpr ggml_type type = GGML_TYPE_Q8_0;
+    static constexpr int shift = 7;
+    // w + 128: the sign bit flipped (-128 included, which ggml's signed product also takes exactly)
+    static __m256i unsigned_weights(const block & b) {
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) b.qs), _mm256_set1_epi8((char) 0x80));
+    }
+};
+
+// An activation block as this kernel reads it: the quants of ggml's q8_0 block, its scale widened
+// to f32, and -2^shift times the sums of its 8 lanes of 4 quants.
+struct act_block {
+    int32_t neg_sums[8];
+    int8_t qs[QK];
+    float d;
+};
+
+// The largest work buffer the kernel asks for (a prompt batch is the most); beyond, ggml's own.
+constexpr size_t MAX_WORK = size_t(64) << 20;
+
+inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(act_block) + sizeof(block_q8_0)); }
+
+// R weight rows (x, stride `stride` bytes) times G activation rows, each output as ggml's
+// vec_dot_<W>_q8_0 computes it; out[g][r] receives row r's product with activation row g.
+template <class W, int R, int G>
+inline void tile(int64_t blocks, const char * x, size_t stride, const act_block * const * act, float * const * out) {
+    __m256 acc[R][G];
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < blocks; ++ib) {
+        for (int r = 0; r < R; ++r) {
+            const typename W::block & b = ((const typename W::block *) (x + r * stride))[ib];
+            if (G > 1) {
+                _mm_prefetch((const char *) (&b + PREFETCH_BLOCKS), _MM_HINT_T0);
+            }
+            const __m256i w = W::unsigned_weights(b);
+            const float xd = _cvtsh_ss(b.d);
+            for (int g = 0; g < G; ++g) {
+                const act_block & a = act[g][ib];
+                // exact: sum over 4 of (w + 2^shift) * y, counted from -2^shift * sum of y
+                const __m256i dot = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *) a.neg_sums), w,
+                                                        _mm256_loadu_si256((const __m256i *) a.qs));
+                const __m256 d = _mm256_set1_ps(xd * a.d);
+                acc[r][g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[r][g]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) out[g][r] = dflash2::hsum_float_8(acc[r][g]);
+}
+
+template <class W, int R>
+inline void tile(int G, int64_t blocks, const char * x, size_t stride, const act_block * const * act, float * const * out) {
+    switch (G) {
+        case 1: tile<W, R, 1>(blocks, x, stride, act, out); break;
+        case 2: tile<W, R, 2>(blocks, x, stride, act, out); break;
+        case 3: tile<W, R, 3>(blocks, x, stride, act, out); break;
+        default: tile<W, R, 4>(blocks, x, stride, act, out); break;
+    }
+}
+
+template <class W> class rows_traits : public ggml::cpu::tensor_traits {
+  public:
+    // A 2-D weight of type W, of rows a multiple of 8 (whole runs; real models' are), in host
+    // memory (ggml's plain CPU buffer: not repacked) by 2-D f32 activations, into f32.
+    static bool takes(const ggml_tensor * op) {
+        const ggml_tensor * x = op->src[0];
+        const ggml_tensor * y = op->src[1];
+        return op->op == GGML_OP_MUL_MAT && x && y && x->type == W::type && y->type == GGML_TYPE_F32 &&
+               op->type == GGML_TYPE_F32 && x->ne[0] % QK == 0 && x->ne[1] % 8 == 0 && x->ne[2] == 1 && x->ne[3] == 1 && y->ne[2] == 1 &&
+               y->ne[3] == 1 && x->nb[0] == sizeof(typename W::block) && y->nb[0] == sizeof(float) && op->nb[0] == sizeof(float) &&
+               work_for(y->ne[1], x->ne[0] / QK) <= MAX_WORK && !x->extra &&
+               (!x->buffer || ggml_backend_buffer_is_host(x->buffer));  // no buffer: a plain ggml context's memory
+    }
+
+    bool work_size(int, const ggml_tensor * op, size_t & size) override {
+        size = work_for(op->src[1]->ne[1], op->src[0]->ne[0] / QK);
+        return true;
+    }
+
+    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
+        if (params->use_ref) {
+            return false;  // the reference kernels were asked for
+        }
+        const ggml_tensor * x = op->src[0];
+        const ggml_tensor * y = op->src[1];
+        const int64_t k = x->ne[0], blocks = k / QK, n = x->ne[1], m = y->ne[1];
+        act_block * acts = static_cast<act_block *>(params->wdata);
+        block_q8_0 * quants = reinterpret_cast<block_q8_0 *>(acts + m * blocks);
+
+        // Every activation row quantized as ggml quantizes it, split between the threads.
+        const __m256i ones = _mm256_set1_epi8(1);
+        for (int64_t i = params->ith; i < m; i += params->nth) {
+            block_q8_0 * q = quants + i * blocks;
+            quantize_row_q8_0((const float *) ((const char *) y->data + i * y->nb[1]), q, k);
+            for (int64_t ib = 0; ib < blocks; ++ib) {
+                act_block & a = acts[i * blocks + ib];
+                const __m256i qs = _mm256_loadu_si256((const __m256i *) q[ib].qs);
+                const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, qs);
+                _mm256_storeu_si256((__m256i *) a.neg_sums, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, W::shift)));
+                std::memcpy(a.qs, q[ib].qs, QK);
+                a.d = _cvtsh_ss(q[ib].d);
+            }
+        }
+        ggml_barrier(params->threadpool);
+
+        // The weight rows, split between the threads in runs of R: one row at a time for one
+        // activation row (a stream of weights, as ggml reads it: on a 2-core EPYC, eight rows side
+        // by side made a step 20% slower than ggml's), four for more, each then meeting the
+        // activation rows four at a time.
+        const int R = m == 1 ? 1 : 4;
+        const int64_t runs = (n + R - 1) / R;
+        const int64_t first = runs * params->ith / params->nth * R;
+        const int64_t last = runs * (params->ith + 1) / params->nth * R;
+        const act_block * act[4];
+        float * out[4];
+        for (int64_t r0 = first; r0 < last; r0 += R) {
+            const char * xr = (const char *) x->data + r0 * x->nb[1];
+            for (int64_t g0 = 0; g0 < m; g0 += 4) {
+                const int G = (int) std::min<int64_t>(4, m - g0);
+                for (int g = 0; g < G; ++g) {
+                    act[g] = acts + (g0 + g) * blocks;
+                    out[g] = (float *) ((char *) op->data + (g0 + g) * op->nb[1]) + r0;
+                }
+                if (m == 1) {
+                    tile<W, 1, 1>(blocks, xr, x->nb[1], act, out);
+                } else {
+                    tile<W, 4>(G, blocks, xr, x->nb[1], act, out);
+                }
+            }
+        }
+        return true;
+    }
+};
+
+dflash2::op_kernel<rows_traits<q5_0>> q5_0_kernel{ "DFLASH2_Q5_0_ROWS" };
+dflash2::op_kernel<rows_traits<q8_0>> q8_0_kernel{ "DFLASH2_Q8_0_ROWS" };
+
+// Random W weights (with some weights at the ends of their range) times random activation rows
+// (one of them all zeros), of the drafters' and targets' widths, through ggml's product and the
+// kernel: 1 to 17 activation rows, 8 to 136 weight rows.
+template <class W> int64_t differences(dflash2::op_kernel<rows_traits<W>> & kernel, std::mt19937 & rng, int n_threads) {
+    std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+    int64_t differing = 0;
+    for (int64_t width : { 32, 576, 896, 1536 })
+        for (int64_t n : { 8, 136 })
+            for (int64_t m : { 1, 2, 3, 4, 5, 8, 17 }) {
+                ggml_init_params init = { size_t(16) << 20, nullptr, false };
+                ggml_context * ctx = ggml_init(init);
+                if (!ctx) {
+                    return -3;
+                }
+                ggml_tensor * x = ggml_new_tensor_2d(ctx, W::type, width, n);
+                std::vector<float> values(size_t(width * n));
+                for (float & v : values) v = uniform(rng) * (rng() % 8 == 0 ? 40.0f : 1.0f);
+                ggml_quantize_chunk(W::type, values.data(), x->data, 0, n, width, nullptr);
+                if (W::type == GGML_TYPE_Q8_0) {  // -128 is a valid q8_0 weight, though ggml's quantizer never writes it
+                    for (int i = 0; i < 16; ++i) ((block_q8_0 *) x->data)[rng() % (ggml_nelements(x) / QK)].qs[rng() % QK] = -128;
+                }
+                ggml_tensor * y = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, m);
+                for (int64_t i = 0; i < ggml_nelements(y); ++i) ((float *) y->data)[i] = i < width && m > 1 ? 0.0f : uniform(rng);
+                const int64_t d = kernel.differences(ctx, ggml_mul_mat(ctx, x, y), n_threads);
+                ggml_free(ctx);
+                if (d < 0) {
+                    return d;
+                }
+                differing += d;
+            }
+    return differing;
+}
+
+}  // namespace
+#endif
+
+extern "C" int32_t dflash2_set_q5_0_rows(bool on) {
+#if DFLASH2_QUANT_ROWS
+    return q5_0_kernel.set(on);
+#else
+    (void) on;
+    return -1;
+#endif
+}
+
+extern "C" int32_t dflash2_set_q8_0_rows(bool on) {
+#if DFLASH2_QUANT_ROWS
+    return q8_0_kernel.set(on);
+#else
+    (void) on;
+    return -1;
+#endif
+}
+
+extern "C" int64_t dflash2_q5_0_rows_differences(uint32_t seed, int32_t n_threads) {
+#if DFLASH2_QUANT_ROWS
+    try {
+        std::mt19937 rng(seed);
+        return differences(q5_0_kernel, rng, n_threads);
+    } catch (...) {
+        return -3;
+    }
+#else
+    (void) seed, (void) n_threads;
+    return -1;
+#endif
+}
+
+extern "C" int64_t dflash2_q8_0_rows_differences(uint32_t seed, int32_t n_threads) {
+#if DFLASH2_QUANT_ROWS
+    try {
+        std::mt19937 rng(seed);
+        return differences(q8_0_kernel, rng, n_threads);
+    } catch (...) {
+        return -3;
+    }
+#else
+    (void) seed, (void) n_threads;
+    return -1;
+#endif
+}
