@@ -314,10 +314,12 @@ fn median_probe(mut runs: Vec<crate::target::Probe>) -> crate::target::Probe {
 }
 
 /// `--costs`: what one speculative cycle's pieces cost here, at `--context` tokens of context,
-/// with the engine's settings (threads, cache types), medians of 30: the target's single step
-/// (what plain decoding pays per token), the drafter's injection of 1..8 rows of target features
-/// (the tokens a cycle accepted) and its block decode at each block size. A drafter call pays off
-/// only while it is a small share of a step (issue #18 asks <= 0.25 at block 8).
+/// with the engine's settings (threads, cache types), medians of 30 rounds that each time every
+/// piece once, in a cycle's order (so the drafter runs after target decodes, as in the engine, and a
+/// burst of noise on a shared machine lands on every piece alike): the target's single step (what
+/// plain decoding pays per token), the drafter's injection of 1..8 rows of target features (the
+/// tokens a cycle accepted) and its block decode at each block size. A drafter call pays off only
+/// while it is a small share of a step (issue #18 asks <= 0.25 at block 8).
 fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     use crate::draft::drafter::Drafter;
     use crate::engine::CacheTypes;
@@ -344,23 +346,9 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
     let mut tokens = target.tokenize(&text.repeat(n / 8 + 1), true, false)?;
     tokens.truncate(n);
     const RUNS: usize = 30;
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let timed = |f: &mut dyn FnMut() -> crate::llama::Result<()>| -> Result<f64> {
-        let mut ms = Vec::with_capacity(RUNS);
-        for _ in 0..RUNS {
-            let t = Instant::now();
-            f()?;
-            ms.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        Ok(median(ms))
-    };
     // The target as plain decoding runs it, and as the engine runs it beside this drafter (its
-    // layer inputs extracted at every decode): after the prefill, a single step and a verify of
-    // 8 rows, in ms.
-    let time_target = |p: &ContextParams| -> Result<(Context, [f64; 2])> {
+    // layer inputs extracted at every decode), each in a context holding the prompt.
+    let prefilled = |p: &ContextParams| -> Result<Context> {
         let mut ctx = Context::new(target.clone(), p, None)?;
         let mut batch = Batch::tokens(p.n_batch.max(1), 1);
         for (c, chunk) in tokens.chunks(p.n_batch.max(1)).enumerate() {
@@ -370,44 +358,67 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
             }
             ctx.decode(&batch, "costs prefill")?;
         }
-        let mut verify = |rows: usize| {
-            timed(&mut || {
-                batch.clear();
-                for i in 0..rows {
-                    batch.add_token(tokens[n - 1], (n + i) as i32, &[0], true)?;
-                }
-                ctx.decode(&batch, "costs verify")?;
-                ctx.seq_rm(0, n as i32, -1)
-            })
-        };
-        let ms = [verify(1)?, verify(8)?];
-        Ok((ctx, ms))
+        Ok(ctx)
     };
     let with_features =
         ContextParams { features: FeatureSource::auto(&target.architecture(), drafter.target_layer_ids()), ..params.clone() };
-    let (tctx, [step, verify8]) = time_target(&params)?;
-    let (_, [step_f, verify8_f]) = time_target(&with_features)?;
+    let mut plain = prefilled(&params)?;
+    let mut featured = prefilled(&with_features)?;
+    let mut batch = Batch::tokens(8, 1);
+    // a verify of `rows` rows after the prompt, taken back after
+    let mut verify = |ctx: &mut Context, rows: usize| -> crate::llama::Result<()> {
+        batch.clear();
+        for i in 0..rows {
+            batch.add_token(tokens[n - 1], (n + i) as i32, &[0], true)?;
+        }
+        ctx.decode(&batch, "costs verify")?;
+        ctx.seq_rm(0, n as i32, -1)
+    };
 
     let caches = CacheTypes::default();
-    let mut d = Drafter::new(drafter, &tctx, 1, args.threads, caches.draft_k, caches.draft_v)?;
+    let mut d = Drafter::new(drafter, &plain, 1, args.threads, caches.draft_k, caches.draft_v)?;
     let w = d.feature_width();
     // any values: the drafter's cost does not depend on them (its norms take out the scale)
     let rows: Vec<f32> = (0..w * (n + 8)).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
     d.inject(&rows[..w * n], 0, 0)?;
-    let mut inject = Vec::new();
-    for k in [1usize, 2, 4, 8] {
-        let ms = timed(&mut || {
-            d.inject(&rows[w * n..w * (n + k)], n, 0)?;
-            d.truncate(0, n)
-        })?;
-        inject.push((k, ms));
-    }
-    let mut draft = Vec::new();
+    let injections = [1usize, 2, 4, 8];
     let trained = dflash.block_size.unwrap_or(16) as usize;
-    for b in [2usize, 4, 8, 16, 32].into_iter().filter(|&b| b <= trained.max(2)) {
-        let ms = timed(&mut || d.draft(&[(tokens[n - 1], n, 0)], b).map(|_| ()))?;
-        draft.push((b, ms));
+    let blocks: Vec<usize> = [2usize, 4, 8, 16, 32].into_iter().filter(|&b| b <= trained.max(2)).collect();
+
+    // Every piece is timed once per round, RUNS rounds: a burst of noise on a shared machine then
+    // lands on all of them alike, and their ratios hold.
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(RUNS); 4 + injections.len() + blocks.len()];
+    let mut timed = |piece: usize, f: &mut dyn FnMut() -> crate::llama::Result<()>| -> Result<()> {
+        let t = Instant::now();
+        f()?;
+        samples[piece].push(t.elapsed().as_secs_f64() * 1e3);
+        Ok(())
+    };
+    for _ in 0..RUNS {
+        timed(0, &mut || verify(&mut plain, 1))?;
+        timed(1, &mut || verify(&mut plain, 8))?;
+        timed(2, &mut || verify(&mut featured, 1))?;
+        timed(3, &mut || verify(&mut featured, 8))?;
+        for (i, &k) in injections.iter().enumerate() {
+            timed(4 + i, &mut || {
+                d.inject(&rows[w * n..w * (n + k)], n, 0)?;
+                d.truncate(0, n)
+            })?;
+        }
+        for (i, &b) in blocks.iter().enumerate() {
+            timed(4 + injections.len() + i, &mut || d.draft(&[(tokens[n - 1], n, 0)], b).map(|_| ()))?;
+        }
     }
+    let median: Vec<f64> = samples
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        })
+        .collect();
+    let [step, verify8, step_f, verify8_f] = [median[0], median[1], median[2], median[3]];
+    let inject: Vec<(usize, f64)> = injections.iter().copied().zip(median[4..].iter().copied()).collect();
+    let draft: Vec<(usize, f64)> = blocks.iter().copied().zip(median[4 + injections.len()..].iter().copied()).collect();
     if args.json {
         let rows = |v: &[(usize, f64)]| -> Vec<serde_json::Value> {
             v.iter().map(|&(k, ms)| serde_json::json!({ "n": k, "ms": ms, "steps": ms / step })).collect()
@@ -419,7 +430,7 @@ fn costs(args: &InspectArgs, info: &ModelInfo) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("{} drafting for {}, {n} tokens of context, {} threads, medians of {RUNS}",
+    println!("{} drafting for {}, {n} tokens of context, {} threads, medians of {RUNS} rounds (every piece once a round)",
         args.file.display(), target_path.display(), args.threads);
     println!("target single step: {step:.2} ms, verify of 8 rows: {verify8:.2} ms");
     println!(
