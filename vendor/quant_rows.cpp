@@ -49,8 +49,9 @@ namespace {
 
 constexpr int QK = 32;
 
-// How far ahead of its reads a tile of several rows asks for a weight row's blocks (the hardware
-// prefetcher alone leaves the products waiting on them: 10% of a drafter call on a 2-core EPYC).
+// How far ahead of its reads a tile over several activation rows asks for a weight row's blocks
+// (the hardware prefetcher alone leaves the products waiting on them: 10% of a drafter call on a
+// 2-core EPYC; a single activation row reads the weights in order, which the prefetcher follows).
 constexpr int PREFETCH_BLOCKS = 32;
 
 // The weight types: a block's 32 weights as unsigned bytes w + 2^shift, in ggml's order.
