@@ -14,6 +14,11 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define DFLASH2_Q8_0_OPERANDS 1
+#include "ggml-cpu/quants.h"  // quantize_row_q8_0, the block types
+#endif
+
 namespace dflash2 {
 
 #if defined(__AVX__)
@@ -25,6 +30,46 @@ inline float hsum_float_8(const __m256 x) {
     res = _mm_add_ps(res, _mm_movehl_ps(res, res));
     res = _mm_add_ss(res, _mm_movehdup_ps(res));
     return _mm_cvtss_f32(res);
+}
+#endif
+
+#if DFLASH2_Q8_0_OPERANDS
+// A q8_0 block of activations (or queries) as ggml's AVX2 dot products meet it, laid out for weights
+// made unsigned, w + 2^shift (Q5_0: 4, Q8_0: 7): ggml's quants, its scale widened to f32, and
+// -2^shift times the sums of its 8 lanes of 4 quants, from which one unsigned-by-signed product
+// counts the exact integer lane sums of ggml's signed one.
+struct q8_0_operand {
+    int32_t neg_sums[8];
+    int8_t qs[32];
+    float d;
+};
+
+// `k` values quantized as ggml quantizes them (quantize_row_q8_0, into `scratch`: k / 32 blocks),
+// laid out as operands for weights made unsigned by 2^shift.
+template <int shift> inline void q8_0_operands(const float * x, int64_t k, block_q8_0 * scratch, q8_0_operand * out) {
+    quantize_row_q8_0(x, scratch, k);
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const __m256i qs = _mm256_loadu_si256((const __m256i *) scratch[b].qs);
+        const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char) (1 << shift)), qs);
+        _mm256_storeu_si256((__m256i *) out[b].neg_sums, _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+        _mm256_storeu_si256((__m256i *) out[b].qs, qs);
+        out[b].d = _cvtsh_ss(scratch[b].d);
+    }
+}
+
+// A q8_0 block's weights as unsigned bytes w + 128 (-128 included, which ggml's signed product
+// also takes exactly).
+inline __m256i unsigned_q8_0(const block_q8_0 & b) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) b.qs), _mm256_set1_epi8((char) 0x80));
+}
+
+// One block of ggml's AVX2 dot product: the exact lane sums of the unsigned weights `w` by the
+// operand, counted from its -2^shift lane sums, times the weight's scale times the operand's
+// (rounded once, as ggml's scalar product), added to `acc` in one fused multiply-add.
+inline __m256 q8_0_dot_step(__m256 acc, __m256i w, float w_scale, const q8_0_operand & a) {
+    const __m256i lanes = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *) a.neg_sums), w,
+                                              _mm256_loadu_si256((const __m256i *) a.qs));
+    return _mm256_fmadd_ps(_mm256_set1_ps(w_scale * a.d), _mm256_cvtepi32_ps(lanes), acc);
 }
 #endif
 

@@ -56,13 +56,8 @@ constexpr int64_t MAX_HEAD = 256;
 // The most query rows (of one KV head) that go through the cells together.
 constexpr int64_t MAX_ROWS = 32;
 
-// A query block as the kernel reads it: ggml's q8_0 quants, its scale widened to f32, and -128
-// times the sums of its 8 lanes of 4 quants.
-struct query_block {
-    int32_t neg_sum128[8];
-    int8_t qs[QK];
-    float d;
-};
+// A query block as the kernel reads it (K is Q8_0: made unsigned by 128).
+using query_block = dflash2::q8_0_operand;
 
 // The per-row buffers of one pass: the cells a row reads and the online softmax's factors there.
 struct softmax_steps {
@@ -87,11 +82,7 @@ void attend(const query_block * q, int64_t blocks, const ggml_fp16_t * mask, int
         const block_q8_0 * kc = (const block_q8_0 *) (k_base + ic * k_stride);
         __m256 dot = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
-            // exact: sum over 4 of (k + 128) * q, counted from -128 * sum of q
-            const __m256i k_shifted = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) kc[b].qs), _mm256_set1_epi8((char) 0x80));
-            const __m256i lanes = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *) q[b].neg_sum128), k_shifted,
-                                                      _mm256_loadu_si256((const __m256i *) q[b].qs));
-            dot = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(kc[b].d) * q[b].d), _mm256_cvtepi32_ps(lanes), dot);
+            dot = dflash2::q8_0_dot_step(dot, dflash2::unsigned_q8_0(kc[b]), _cvtsh_ss(kc[b].d), q[b]);
         }
         // ggml rounds the scaled score before adding the mask (no fused multiply-add)
         float s = dflash2::hsum_float_8(dot) * scale;
@@ -205,15 +196,7 @@ class q8_0_attention_traits : public ggml::cpu::tensor_traits {
             for (int64_t iq1 = t0; iq1 < t1; ++iq1) {
                 for (int64_t iq2 = ik2 * group; iq2 < (ik2 + 1) * group; ++iq2, ++n) {
                     const float * pq = (const float *) ((const char *) q->data + iq1 * q->nb[1] + iq2 * q->nb[2] + iq3 * q->nb[3]);
-                    quantize_row_q8_0(pq, quantized.data(), head);
-                    query_block * qb = queries.data() + n * blocks;
-                    for (int64_t b = 0; b < blocks; ++b) {
-                        std::memcpy(qb[b].qs, quantized[b].qs, QK);
-                        qb[b].d = _cvtsh_ss(quantized[b].d);
-                        const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char) 0x80),
-                                                                 _mm256_loadu_si256((const __m256i *) quantized[b].qs));
-                        _mm256_storeu_si256((__m256i *) qb[b].neg_sum128, _mm256_sub_epi32(_mm256_setzero_si256(), sums));
-                    }
+                    dflash2::q8_0_operands<7>(pq, head, quantized.data(), queries.data() + n * blocks);
                     masks[n] = mask ? (const ggml_fp16_t *) ((const char *) mask->data + iq1 * mask->nb[1] +
                                                              (iq2 % mask->ne[2]) * mask->nb[2] + (iq3 % mask->ne[3]) * mask->nb[3])
                                     : nullptr;

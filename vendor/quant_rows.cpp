@@ -75,29 +75,20 @@ struct q8_0 {
     using block = block_q8_0;
     static constexpr ggml_type type = GGML_TYPE_Q8_0;
     static constexpr int shift = 7;
-    // w + 128: the sign bit flipped (-128 included, which ggml's signed product also takes exactly)
-    static __m256i unsigned_weights(const block & b) {
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) b.qs), _mm256_set1_epi8((char) 0x80));
-    }
+    static __m256i unsigned_weights(const block & b) { return dflash2::unsigned_q8_0(b); }
 };
 
-// An activation block as this kernel reads it: the quants of ggml's q8_0 block, its scale widened
-// to f32, and -2^shift times the sums of its 8 lanes of 4 quants.
-struct act_block {
-    int32_t neg_sums[8];
-    int8_t qs[QK];
-    float d;
-};
+using dflash2::q8_0_operand;
 
 // The largest work buffer the kernel asks for (a prompt batch is the most); beyond, ggml's own.
 constexpr size_t MAX_WORK = size_t(64) << 20;
 
-inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(act_block) + sizeof(block_q8_0)); }
+inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(q8_0_operand) + sizeof(block_q8_0)); }
 
 // R weight rows (x, stride `stride` bytes) times G activation rows, each output as ggml's
 // vec_dot_<W>_q8_0 computes it; out[g][r] receives row r's product with activation row g.
 template <class W, int R, int G>
-inline void tile(int64_t blocks, const char * x, size_t stride, const act_block * const * act, float * const * out) {
+inline void tile(int64_t blocks, const char * x, size_t stride, const q8_0_operand * const * act, float * const * out) {
     __m256 acc[R][G];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
@@ -109,14 +100,7 @@ inline void tile(int64_t blocks, const char * x, size_t stride, const act_block 
             }
             const __m256i w = W::unsigned_weights(b);
             const float xd = _cvtsh_ss(b.d);
-            for (int g = 0; g < G; ++g) {
-                const act_block & a = act[g][ib];
-                // exact: sum over 4 of (w + 2^shift) * y, counted from -2^shift * sum of y
-                const __m256i dot = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *) a.neg_sums), w,
-                                                        _mm256_loadu_si256((const __m256i *) a.qs));
-                const __m256 d = _mm256_set1_ps(xd * a.d);
-                acc[r][g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[r][g]);
-            }
+            for (int g = 0; g < G; ++g) acc[r][g] = dflash2::q8_0_dot_step(acc[r][g], w, xd, act[g][ib]);
         }
     }
     for (int r = 0; r < R; ++r)
@@ -124,7 +108,7 @@ inline void tile(int64_t blocks, const char * x, size_t stride, const act_block 
 }
 
 template <class W, int R>
-inline void tile(int G, int64_t blocks, const char * x, size_t stride, const act_block * const * act, float * const * out) {
+inline void tile(int G, int64_t blocks, const char * x, size_t stride, const q8_0_operand * const * act, float * const * out) {
     switch (G) {
         case 1: tile<W, R, 1>(blocks, x, stride, act, out); break;
         case 2: tile<W, R, 2>(blocks, x, stride, act, out); break;
@@ -159,22 +143,13 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
         const ggml_tensor * x = op->src[0];
         const ggml_tensor * y = op->src[1];
         const int64_t k = x->ne[0], blocks = k / QK, n = x->ne[1], m = y->ne[1];
-        act_block * acts = static_cast<act_block *>(params->wdata);
+        q8_0_operand * acts = static_cast<q8_0_operand *>(params->wdata);
         block_q8_0 * quants = reinterpret_cast<block_q8_0 *>(acts + m * blocks);
 
         // Every activation row quantized as ggml quantizes it, split between the threads.
-        const __m256i ones = _mm256_set1_epi8(1);
         for (int64_t i = params->ith; i < m; i += params->nth) {
-            block_q8_0 * q = quants + i * blocks;
-            quantize_row_q8_0((const float *) ((const char *) y->data + i * y->nb[1]), q, k);
-            for (int64_t ib = 0; ib < blocks; ++ib) {
-                act_block & a = acts[i * blocks + ib];
-                const __m256i qs = _mm256_loadu_si256((const __m256i *) q[ib].qs);
-                const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, qs);
-                _mm256_storeu_si256((__m256i *) a.neg_sums, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, W::shift)));
-                std::memcpy(a.qs, q[ib].qs, QK);
-                a.d = _cvtsh_ss(q[ib].d);
-            }
+            dflash2::q8_0_operands<W::shift>((const float *) ((const char *) y->data + i * y->nb[1]), k, quants + i * blocks,
+                                             acts + i * blocks);
         }
         ggml_barrier(params->threadpool);
 
@@ -186,7 +161,7 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
         const int64_t runs = (n + R - 1) / R;
         const int64_t first = runs * params->ith / params->nth * R;
         const int64_t last = runs * (params->ith + 1) / params->nth * R;
-        const act_block * act[4];
+        const q8_0_operand * act[4];
         float * out[4];
         for (int64_t r0 = first; r0 < last; r0 += R) {
             const char * xr = (const char *) x->data + r0 * x->nb[1];

@@ -111,8 +111,9 @@ pub enum OpKernel {
     /// Attention over an f16 cache without flash attention (vendor/f16_attention.cpp): each cache
     /// row converted once for the queries that read it. Built for AVX-512.
     F16Attention,
-    /// Products of Q5_0 weights (vendor/quant_rows.cpp): each weight block unpacked once for up to
-    /// four activation rows, several weight rows side by side. Built for AVX512-VNNI.
+    /// Products of Q5_0 weights (vendor/quant_rows.cpp): for several activation rows each weight
+    /// block unpacked once for up to four of them, four weight rows side by side; for one, the
+    /// weights streamed a row at a time. Built for AVX512-VNNI.
     Q5_0Rows,
     /// The DFlash drafter graph's fills of narrow rows, zero pads, vocabulary-wide top-k, scatters
     /// of narrow rows, repeats and broadcast adds and multiplies (vendor/drafter_ops.cpp), which
