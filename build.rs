@@ -15,6 +15,7 @@ const KERNELS: &[&str] = &[
     "vendor/amx_few_rows.cpp",
     "vendor/cpu_extra.cpp",
     "vendor/drafter_ops.cpp",
+    "vendor/drafter_rows.cpp",
     "vendor/f16_attention.cpp",
     "vendor/q8_0_attention.cpp",
     "vendor/quant_rows.cpp",

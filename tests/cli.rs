@@ -248,6 +248,10 @@ fn inspect_check_probes_at_a_given_context_with_reference_flash_attention() {
             assert_eq!(j[format!("{kernel}_random_check")]["differing_outputs"], 0, "{kernel}: {j}");
         }
     }
+    // the drafter's integer products do not round as ggml's: each output within the kernel's bound
+    if j["drafter_rows"] == true {
+        assert_eq!(j["drafter_rows_random_check"]["outputs_beyond_error_bound"], 0, "{j}");
+    }
 }
 
 #[test]

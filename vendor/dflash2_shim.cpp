@@ -6,6 +6,7 @@
 #include "ggml.h"
 #include "llama-context.h"
 #include "llama-ext.h"
+#include "llama-model.h"
 #include "common.h"
 #include "log.h"
 #include "speculative.h"
@@ -40,6 +41,22 @@ const float * dflash2_get_embeddings_nextn(llama_context * ctx) {
         return llama_get_embeddings_nextn(ctx);
     } catch (...) {
         return nullptr;
+    }
+}
+
+int64_t dflash2_adopt_drafter_weights(const llama_model * model, bool adopt) {
+    try {
+        int64_t n = 0;
+        for (const auto & named : model->tensors_by_name) {
+            const ggml_tensor * t = named.second;
+            if (t->type == GGML_TYPE_Q8_0 && ggml_n_dims(t) == 2) {
+                dflash2_drafter_rows_adopt(t, adopt);
+                ++n;
+            }
+        }
+        return n;
+    } catch (...) {
+        return -1;
     }
 }
 

@@ -84,6 +84,31 @@ int32_t         dflash2_set_q8_0_attention(bool on);
  * error. Turns the kernel off and on process-wide meanwhile (as dflash2_set_q8_0_attention). */
 int64_t         dflash2_q8_0_attention_differences(uint32_t seed, int32_t n_threads);
 
+/* ---- integer products of a drafter's Q8_0 weights (vendor/drafter_rows.cpp) ----
+ * Makes ggml's CPU backend take the products of adopted Q8_0 weights (a drafter's) in integers:
+ * each weight row requantized once to bytes with one scale per row, each activation row to 16-bit
+ * integers with one scale. Not ggml's rounding (a drafter's numerics never reach the output: the
+ * target verifies every drafted token); targets' weights are never adopted. Process-wide, as
+ * above. Returns 1 when on, 0 when off (or it failed to register), -1 where this build has no
+ * AVX512-VNNI. */
+int32_t         dflash2_set_drafter_rows(bool on);
+/* Adopts (or, with adopt false, gives up one adoption of) every 2-D Q8_0 weight of `model` for
+ * the kernel above; a weight stays adopted while any adopter holds it. Returns how many weights,
+ * -1 on an error. */
+int64_t         dflash2_adopt_drafter_weights(const struct llama_model * model, bool adopt);
+/* One weight (the kernel's own entry, which dflash2_adopt_drafter_weights calls per weight). */
+void            dflash2_drafter_rows_adopt(const struct ggml_tensor * weight, bool adopt);
+/* How many integer forms of adopted weights the kernel has made in this process (one per weight and
+ * adoption): 0 where no drafter's products went through it (no VNNI, or ggml's AMX backend holds
+ * the weights). */
+int64_t         dflash2_drafter_rows_in_use(void);
+/* How many outputs of products of random Q8_0 weights (widths 32-2880, 4 or 136 rows, 1-17
+ * activation rows, drawn from `seed`) differ in any bit from the kernel's scheme taken one product at
+ * a time, or lie further from the exact product than the scheme's error bound (half a step of the
+ * weight row's scale and of the activation row's), on n_threads threads: 0 when none; -1 where this build has no such kernel, -2 where it would not
+ * take a shape, -3 on an internal error. Turns the kernel on meanwhile. */
+int64_t         dflash2_drafter_rows_excess(uint32_t seed, int32_t n_threads);
+
 /* ---- layer-input capture through cb_eval ----
  * The input of layer il is the graph tensor named "l_out-<il-1>". Install
  * dflash2_capture_eval as cb_eval with the capture as user data; after each

@@ -122,6 +122,10 @@ pub struct ContextParams {
     /// Let each decode run with fewer threads when the machine is busy and that is faster
     /// ([`super::threads`]); off for measurements that must run as configured.
     pub adapt_threads: bool,
+    /// Take the products of the model's Q8_0 weights in integers with one scale per row
+    /// ([`super::OpKernel::DrafterRows`], while it is on): faster, and not ggml's rounding, so
+    /// only for a drafter, whose numerics never reach the generated text.
+    pub integer_products: bool,
 }
 
 impl Default for ContextParams {
@@ -140,6 +144,7 @@ impl Default for ContextParams {
             cache_k: CacheType::F16,
             cache_v: CacheType::F16,
             adapt_threads: true,
+            integer_products: false,
         }
     }
 }
@@ -153,6 +158,8 @@ struct Handle {
     _model: Arc<Model>,
     /// False for a frontend's context ([`Context::borrow_raw`]): it frees its own.
     owned: bool,
+    /// The model's Q8_0 weights are adopted for integer products (given up on drop).
+    integer_products: bool,
 }
 
 // The handle only carries pointers; every use of the context goes through a `Context`
@@ -166,6 +173,9 @@ impl Drop for Handle {
         // Fields drop after this: the capture and the other context outlive llama_free.
         if self.owned {
             unsafe { sys::llama_free(self.ptr.as_ptr()) }
+        }
+        if self.integer_products {
+            unsafe { shim::dflash2_adopt_drafter_weights(self._model.as_ptr(), false) };
         }
     }
 }
@@ -323,7 +333,16 @@ impl Context {
         }
         let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) } as usize;
         let n_batch = unsafe { sys::llama_n_batch(ptr.as_ptr()) } as usize;
-        let h = Arc::new(Handle { ptr, capture, _other: other.map(|o| o.h.clone()), _model: model.clone(), owned: true });
+        let integer_products =
+            params.integer_products && unsafe { shim::dflash2_adopt_drafter_weights(model.as_ptr(), true) } > 0;
+        let h = Arc::new(Handle {
+            ptr,
+            capture,
+            _other: other.map(|o| o.h.clone()),
+            _model: model.clone(),
+            owned: true,
+            integer_products,
+        });
         let governor = if params.adapt_threads && !model.keeps_thread_count() {
             super::threads::ThreadGovernor::for_machine(params.n_threads)
         } else {
@@ -378,7 +397,7 @@ impl Context {
         let n_ubatch = sys::llama_n_ubatch(ptr.as_ptr()) as usize;
         let n_seq_max = (sys::llama_n_seq_max(ptr.as_ptr()) as usize).max(1);
         let kv_unified = sys::llama_n_ctx_seq(ptr.as_ptr()) as usize >= n_ctx;
-        let h = Arc::new(Handle { ptr, capture, _other: None, _model: model.clone(), owned: false });
+        let h = Arc::new(Handle { ptr, capture, _other: None, _model: model.clone(), owned: false, integer_products: false });
         Ok(Self { h, kv_unified, n_seq_max, model, features, n_ctx, n_batch, n_ubatch, last_batch_len: 0, governor: None, threads: 0 })
     }
 

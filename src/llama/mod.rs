@@ -63,7 +63,10 @@ pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
 pub const NO_Q8_0_ATTENTION: &str = "DFLASH2_NO_Q8_0_ATTENTION";
 pub const NO_Q8_0_ROWS: &str = "DFLASH2_NO_Q8_0_ROWS";
-/// Every switch: they change the kernels that run, so the probe cache keys on them.
+pub const NO_DRAFTER_ROWS: &str = "DFLASH2_NO_DRAFTER_ROWS";
+/// Every switch of a kernel that a target can run: they change the kernels of its probe, so the
+/// probe cache keys on them (a drafter's integer products, [`OpKernel::DrafterRows`], never run
+/// for a target).
 pub const KERNEL_SWITCHES: &[&str] =
     &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
@@ -104,8 +107,9 @@ pub fn init_backend() {
 }
 
 /// dflash2's kernels for ops of every model, plugged into ggml's CPU backend (vendor/cpu_extra.h):
-/// each computes its outputs as ggml's own kernel rounds them, only faster, and can be switched
-/// off for the whole process (for comparisons) by its environment switch.
+/// each computes its outputs as ggml's own kernel rounds them, only faster (all but
+/// [`OpKernel::DrafterRows`], which runs for a drafter's weights alone), and can be switched off for
+/// the whole process (for comparisons) by its environment switch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpKernel {
     /// Attention over an f16 cache without flash attention (vendor/f16_attention.cpp): each cache
@@ -126,14 +130,23 @@ pub enum OpKernel {
     /// Products of Q8_0 weights (a DFlash drafter's) that ggml's AMX backend does not hold
     /// (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`]). Built for AVX512-VNNI.
     Q8_0Rows,
+    /// Products of a DFlash drafter's Q8_0 weights in integers (vendor/drafter_rows.cpp): each
+    /// weight row requantized once to bytes with one scale, each activation row to 16-bit integers
+    /// with one scale, one exact integer sum per output. Not ggml's rounding: only the weights a
+    /// drafter's context adopts ([`ContextParams::integer_products`]) go through it, never a
+    /// target's, whose outputs must be ggml's. Built for AVX512-VNNI.
+    DrafterRows,
 }
 
 impl OpKernel {
-    pub const ALL: [OpKernel; 5] = [
+    /// In the order ggml asks them whether they take an op: the drafter's integer products
+    /// before the Q8_0 products that would take the same weights.
+    pub const ALL: [OpKernel; 6] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
         OpKernel::DrafterOps,
         OpKernel::Q8_0Attention,
+        OpKernel::DrafterRows,
         OpKernel::Q8_0Rows,
     ];
 
@@ -145,6 +158,7 @@ impl OpKernel {
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
             OpKernel::Q8_0Rows => "products of Q8_0 weights",
+            OpKernel::DrafterRows => "a drafter's Q8_0 products in integers",
         }
     }
 
@@ -156,6 +170,7 @@ impl OpKernel {
             OpKernel::DrafterOps => "drafter_ops",
             OpKernel::Q8_0Attention => "q8_0_attention",
             OpKernel::Q8_0Rows => "q8_0_rows",
+            OpKernel::DrafterRows => "drafter_rows",
         }
     }
 
@@ -167,6 +182,7 @@ impl OpKernel {
             OpKernel::DrafterOps => NO_DRAFTER_OPS,
             OpKernel::Q8_0Attention => NO_Q8_0_ATTENTION,
             OpKernel::Q8_0Rows => NO_Q8_0_ROWS,
+            OpKernel::DrafterRows => NO_DRAFTER_ROWS,
         }
     }
 
@@ -181,6 +197,7 @@ impl OpKernel {
                 OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
                 OpKernel::Q8_0Attention => shim::dflash2_set_q8_0_attention(on),
                 OpKernel::Q8_0Rows => shim::dflash2_set_q8_0_rows(on),
+                OpKernel::DrafterRows => shim::dflash2_set_drafter_rows(on),
             }
         };
         OP_KERNELS_ON[self as usize].store(state == 1, Ordering::Relaxed);
@@ -189,7 +206,8 @@ impl OpKernel {
 
     /// Runs every op the kernel takes on random inputs drawn from `seed` (the shapes the kernel's
     /// C entry lists) through ggml's kernel and through this one on `threads` threads, and counts
-    /// the outputs whose bits differ (0: they agree). None for the kernels checked on real models
+    /// the outputs whose bits differ (0: they agree); for [`OpKernel::DrafterRows`], which does not
+    /// round as ggml does, the outputs further from the exact product than its error bound. None for the kernels checked on real models
     /// only (tests/op_kernels.rs). Switches the kernel process-wide meanwhile, so only while no
     /// decode runs in the process; leaves it as it was.
     pub fn differences(self, seed: u32, threads: i32) -> Option<std::result::Result<u64, String>> {
@@ -200,6 +218,8 @@ impl OpKernel {
                 OpKernel::Q8_0Attention => shim::dflash2_q8_0_attention_differences(seed, threads),
                 OpKernel::Q5_0Rows => shim::dflash2_q5_0_rows_differences(seed, threads),
                 OpKernel::Q8_0Rows => shim::dflash2_q8_0_rows_differences(seed, threads),
+                // Not ggml's rounding: the outputs beyond the kernel's error bound.
+                OpKernel::DrafterRows => shim::dflash2_drafter_rows_excess(seed, threads),
                 OpKernel::F16Attention => return None,
             }
         };
@@ -211,14 +231,28 @@ impl OpKernel {
         })
     }
 
+    /// Whether every output is the value ggml's own kernel gives it (all but the drafter's integer
+    /// products, which only a drafter's weights go through).
+    pub fn rounds_as_ggml(self) -> bool {
+        self != OpKernel::DrafterRows
+    }
+
+    /// How many drafter weights [`OpKernel::DrafterRows`] has multiplied in this process (counted
+    /// once per weight and adoption): 0 where none went through it (a CPU without VNNI, or ggml's
+    /// AMX backend holds the drafter's weights).
+    pub fn drafter_rows_in_use() -> usize {
+        unsafe { shim::dflash2_drafter_rows_in_use() }.max(0) as usize
+    }
+
     /// Whether the kernel computes this process's ops of its kind.
     pub fn is_on(self) -> bool {
         OP_KERNELS_ON[self as usize].load(Ordering::Relaxed)
     }
 }
 
-/// Plugs dflash2's op kernels into ggml's CPU backend, once per process, each unless its
-/// environment switch is set. ggml's list of such kernels is not guarded against computations
+/// Plugs dflash2's op kernels into ggml's CPU backend, once per process, each on unless its
+/// environment switch is set (registered either way, so that ggml asks them in [`OpKernel::ALL`]'s
+/// order whichever is switched on later). ggml's list of such kernels is not guarded against computations
 /// running meanwhile, so this runs when dflash2 loads a target of its own
 /// (`crate::target::load_target`, `inspect`), never from the frontend ABI, whose frontend may be
 /// decoding on other threads.
@@ -226,9 +260,7 @@ pub fn install_kernels() {
     init_backend();
     KERNELS.call_once(|| {
         for kernel in OpKernel::ALL {
-            if std::env::var_os(kernel.switch()).is_none() {
-                kernel.set(true);
-            }
+            kernel.set(std::env::var_os(kernel.switch()).is_none());
         }
     });
 }
