@@ -14,6 +14,7 @@ use std::path::PathBuf;
 const KERNELS: &[&str] = &[
     "vendor/amx_few_rows.cpp",
     "vendor/cpu_extra.cpp",
+    "vendor/drafter_conv.cpp",
     "vendor/drafter_ops.cpp",
     "vendor/drafter_rows.cpp",
     "vendor/f16_attention.cpp",

@@ -1,5 +1,6 @@
-//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/drafter_ops.cpp,
-//! vendor/q8_0_attention.cpp) must give every output the bits ggml's own kernels give it; the
+//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/drafter_conv.cpp,
+//! vendor/drafter_ops.cpp, vendor/q8_0_attention.cpp) must give every output the bits ggml's own
+//! kernels give it; the
 //! drafter's integer products (vendor/drafter_rows.cpp) must give each output the bits of their own
 //! scheme, never touch a target, and keep the drafter's candidates. The comparisons switch kernels
 //! off and on for the whole process, so they live in a test binary of their own, one test at a time.
@@ -144,7 +145,14 @@ fn drafter_lattices(switch: impl Fn(bool)) -> [[[dflash2::draft::Lattice; 4]; 2]
         switch(setting);
         let mut d = Drafter::new(drafter.clone(), &tctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
         d.inject(&rows[..d.feature_width() * injected], 0, 0).unwrap();
-        let out = BLOCKS.map(|b| d.draft(&[(tokens[injected], injected, 0)], b).unwrap().remove(0));
+        // twice each: llama.cpp reuses the graph of a shape for the second
+        let out = BLOCKS.map(|b| {
+            let first = d.draft(&[(tokens[injected], injected, 0)], b).unwrap().remove(0);
+            let again = d.draft(&[(tokens[injected], injected, 0)], b).unwrap().remove(0);
+            let same = first.ids == again.ids && first.scores.iter().zip(&again.scores).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "block {b}: a second draft of the same block differs");
+            again
+        });
         for (l, b) in out.iter().zip(BLOCKS) {
             assert!(l.ids.iter().all(|&t| t >= 0 && t < target.n_vocab() as i32), "block {b}: candidates in the vocabulary");
         }
@@ -184,6 +192,20 @@ fn drafter_ops_give_the_drafter_the_same_lattices() {
     dflash2::llama::install_kernels();
     assert!(OpKernel::DrafterOps.is_on(), "the drafter ops are built everywhere");
     drafter_lattices_as_ggml_gives_them(OpKernel::DrafterOps);
+}
+
+/// The DFlash 2 drafter's convolutions (four a layer) computed at their last adds, 13 ops each
+/// skipped: the lattices keep ggml's bits, and the kernel did compute the drafter's convolutions
+/// (every block size drafts from the same four per layer).
+#[test]
+fn drafter_conv_gives_the_drafter_the_same_lattices() {
+    dflash2::llama::install_kernels();
+    assert!(OpKernel::DrafterConv.is_on(), "the convolutions are built everywhere");
+    let before = OpKernel::DrafterConv.taken().unwrap();
+    drafter_lattices_as_ggml_gives_them(OpKernel::DrafterConv);
+    let computed = OpKernel::DrafterConv.taken().unwrap() - before;
+    // 2 cache lengths x 4 block sizes x 2 drafts x 2 layers x 4 convolutions
+    assert_eq!(computed, 2 * 4 * 2 * 2 * 4, "convolutions the kernel computed");
 }
 
 /// The drafter ops' adds, multiplies and repeats also take a target's ops of their shapes (its norm
@@ -229,8 +251,8 @@ fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels();
     let vnni = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
-    let needs_vnni = |k: OpKernel| k != OpKernel::DrafterOps;
-    for kernel in [OpKernel::DrafterOps, OpKernel::Q8_0Attention, OpKernel::Q5_0Rows, OpKernel::Q8_0Rows, OpKernel::DrafterRows] {
+    let needs_vnni = |k: OpKernel| !matches!(k, OpKernel::DrafterOps | OpKernel::DrafterConv);
+    for kernel in [OpKernel::DrafterConv, OpKernel::DrafterOps, OpKernel::Q8_0Attention, OpKernel::Q5_0Rows, OpKernel::Q8_0Rows, OpKernel::DrafterRows] {
         for seed in 1..=3 {
             for threads in [1, 2] {
                 match kernel.differences(seed, threads).expect("these kernels have random checks") {
@@ -261,7 +283,7 @@ fn drafter_rows_keep_the_drafters_candidates() {
         OpKernel::DrafterRows.set(on && built);
     });
     OpKernel::DrafterRows.set(built);
-    if OpKernel::drafter_rows_in_use() == 0 {
+    if OpKernel::DrafterRows.taken() == Some(0) {
         // not built, or ggml's AMX backend holds the drafter's weights: ggml's products both times
         assert_eq!(integer.iter().flatten().map(|l| &l.ids).collect::<Vec<_>>(), ggml.iter().flatten().map(|l| &l.ids).collect::<Vec<_>>());
         return;

@@ -6,6 +6,7 @@
 #include "ggml-cpu/traits.h"
 
 #include <atomic>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -78,8 +79,17 @@ inline __m256 q8_0_dot_step(__m256 acc, __m256i w, float w_scale, const q8_0_ope
 // computes: ggml reads that list without a lock.
 bool register_cpu_extra(ggml::cpu::extra_buffer_type * extra, const char * name);
 
+// Traits that must also take some ops while switched off define `static bool takes_when_off(op)`.
+template <class Traits, class = void> struct takes_when_off {
+    static bool check(const ggml_tensor *) { return false; }
+};
+template <class Traits> struct takes_when_off<Traits, std::void_t<decltype(&Traits::takes_when_off)>> {
+    static bool check(const ggml_tensor * op) { return Traits::takes_when_off(op); }
+};
+
 // A kernel as an extra buffer type: no buffer is ever made of it (supports_op is false, so
-// llama.cpp places no weight in it); it lends its traits to the ops `Traits::takes` while it is on.
+// llama.cpp places no weight in it); it lends its traits to the ops `Traits::takes` while it is on
+// (and to those `Traits::takes_when_off`, where defined, while it is off).
 // `name`: the buffer type's name in ggml's reports.
 template <class Traits> class op_kernel : public ggml::cpu::extra_buffer_type {
   public:
@@ -88,7 +98,8 @@ template <class Traits> class op_kernel : public ggml::cpu::extra_buffer_type {
     bool supports_op(ggml_backend_dev_t, const ggml_tensor *) override { return false; }
 
     ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
-        return enabled.load(std::memory_order_relaxed) && Traits::takes(op) ? &traits : nullptr;
+        const bool taken = enabled.load(std::memory_order_relaxed) ? Traits::takes(op) : takes_when_off<Traits>::check(op);
+        return taken ? &traits : nullptr;
     }
 
     bool on() const { return enabled.load(std::memory_order_relaxed); }

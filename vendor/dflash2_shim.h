@@ -70,6 +70,20 @@ int32_t         dflash2_set_drafter_ops(bool on);
  * shapes and others: 0 when they agree, -2 where the kernels would not take one, -3 on an error. */
 int64_t         dflash2_drafter_ops_differences(uint32_t seed, int32_t n_threads);
 
+/* ---- the DFlash 2 drafter's convolutions as one op each (vendor/drafter_conv.cpp) ----
+ * Makes ggml's CPU backend compute each DFlash 2 convolution at its last add from its per-tap
+ * weights and hidden rows, with the same values; the 13 ops between them (build_dflash2_conv's tap
+ * copies, pads, multiplies and adds) are marked when ggml plans the graph, and skipped with their
+ * barriers. Process-wide, as above. Returns 1 when on, 0 when off (or it failed to register). */
+int32_t         dflash2_set_drafter_conv(bool on);
+/* How many convolutions the kernel has computed in this process. */
+int64_t         dflash2_drafter_conv_computed(void);
+/* How many outputs of convolutions of random inputs (SmolLM2's drafter's shapes and others, both
+ * sides), computed by the kernel twice over the same graph and then by ggml with the kernel
+ * switched off, differ in any bit from ggml's: 0 when they agree; -2 where the kernel did not mark
+ * a convolution's ops while on or did not give them back when off, -3 on an internal error. */
+int64_t         dflash2_drafter_conv_differences(uint32_t seed, int32_t n_threads);
+
 /* ---- flash attention over a q8_0 cache (vendor/q8_0_attention.cpp) ----
  * Makes ggml's CPU backend run flash attention with q8_0 K and V (a DFlash drafter's cache) with a
  * kernel that rounds every output as ggml's does, taking the query rows of a KV head through the

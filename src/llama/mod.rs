@@ -64,11 +64,12 @@ pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
 pub const NO_Q8_0_ATTENTION: &str = "DFLASH2_NO_Q8_0_ATTENTION";
 pub const NO_Q8_0_ROWS: &str = "DFLASH2_NO_Q8_0_ROWS";
 pub const NO_DRAFTER_ROWS: &str = "DFLASH2_NO_DRAFTER_ROWS";
+pub const NO_DRAFTER_CONV: &str = "DFLASH2_NO_DRAFTER_CONV";
 /// Every switch of a kernel that a target can run: they change the kernels of its probe, so the
 /// probe cache keys on them (a drafter's integer products, [`OpKernel::DrafterRows`], never run
 /// for a target).
 pub const KERNEL_SWITCHES: &[&str] =
-    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -119,6 +120,10 @@ pub enum OpKernel {
     /// block unpacked once for up to four of them, four weight rows side by side; for one, the
     /// weights streamed a row at a time. Built for AVX512-VNNI.
     Q5_0Rows,
+    /// The DFlash 2 drafter's convolutions, each computed at its last add from its per-tap weights
+    /// and hidden rows (vendor/drafter_conv.cpp); the 13 ops between them are skipped, with their
+    /// barriers.
+    DrafterConv,
     /// The DFlash drafter graph's fills of narrow rows, zero pads, vocabulary-wide top-k, scatters
     /// of narrow rows, repeats and broadcast adds and multiplies (vendor/drafter_ops.cpp), which
     /// ggml runs element by element or row by row.
@@ -139,11 +144,13 @@ pub enum OpKernel {
 }
 
 impl OpKernel {
-    /// In the order ggml asks them whether they take an op: the drafter's integer products
-    /// before the Q8_0 products that would take the same weights.
-    pub const ALL: [OpKernel; 6] = [
+    /// In the order ggml asks them whether they take an op: the drafter's convolutions before the
+    /// drafter ops that take some of their ops, the drafter's integer products before the Q8_0
+    /// products that would take the same weights.
+    pub const ALL: [OpKernel; 7] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
+        OpKernel::DrafterConv,
         OpKernel::DrafterOps,
         OpKernel::Q8_0Attention,
         OpKernel::DrafterRows,
@@ -155,6 +162,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => "attention over an f16 cache",
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
+            OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
             OpKernel::Q8_0Rows => "products of Q8_0 weights",
@@ -167,6 +175,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => "f16_attention",
             OpKernel::Q5_0Rows => "q5_0_rows",
+            OpKernel::DrafterConv => "drafter_conv",
             OpKernel::DrafterOps => "drafter_ops",
             OpKernel::Q8_0Attention => "q8_0_attention",
             OpKernel::Q8_0Rows => "q8_0_rows",
@@ -179,6 +188,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => NO_F16_ATTENTION,
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
+            OpKernel::DrafterConv => NO_DRAFTER_CONV,
             OpKernel::DrafterOps => NO_DRAFTER_OPS,
             OpKernel::Q8_0Attention => NO_Q8_0_ATTENTION,
             OpKernel::Q8_0Rows => NO_Q8_0_ROWS,
@@ -194,6 +204,7 @@ impl OpKernel {
             match self {
                 OpKernel::F16Attention => shim::dflash2_set_f16_attention(on),
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
+                OpKernel::DrafterConv => shim::dflash2_set_drafter_conv(on),
                 OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
                 OpKernel::Q8_0Attention => shim::dflash2_set_q8_0_attention(on),
                 OpKernel::Q8_0Rows => shim::dflash2_set_q8_0_rows(on),
@@ -214,6 +225,7 @@ impl OpKernel {
         init_backend();
         let n = unsafe {
             match self {
+                OpKernel::DrafterConv => shim::dflash2_drafter_conv_differences(seed, threads),
                 OpKernel::DrafterOps => shim::dflash2_drafter_ops_differences(seed, threads),
                 OpKernel::Q8_0Attention => shim::dflash2_q8_0_attention_differences(seed, threads),
                 OpKernel::Q5_0Rows => shim::dflash2_q5_0_rows_differences(seed, threads),
@@ -237,11 +249,17 @@ impl OpKernel {
         self != OpKernel::DrafterRows
     }
 
-    /// How many drafter weights [`OpKernel::DrafterRows`] has multiplied in this process (counted
-    /// once per weight and adoption): 0 where none went through it (a CPU without VNNI, or ggml's
-    /// AMX backend holds the drafter's weights).
-    pub fn drafter_rows_in_use() -> usize {
-        unsafe { shim::dflash2_drafter_rows_in_use() }.max(0) as usize
+    /// How much the kernel has taken in this process, for the kernels that count it (None for the
+    /// others): [`OpKernel::DrafterRows`] the drafter weights it multiplied (once per weight and
+    /// adoption; 0 where none went through it: a CPU without VNNI, or ggml's AMX backend holds the
+    /// drafter's weights), [`OpKernel::DrafterConv`] the convolutions it computed.
+    pub fn taken(self) -> Option<u64> {
+        let n = match self {
+            OpKernel::DrafterRows => unsafe { shim::dflash2_drafter_rows_in_use() },
+            OpKernel::DrafterConv => unsafe { shim::dflash2_drafter_conv_computed() },
+            _ => return None,
+        };
+        Some(n.max(0) as u64)
     }
 
     /// Whether the kernel computes this process's ops of its kind.
