@@ -1,11 +1,11 @@
 // A DFlash 2 drafter's convolutions as one op each.
 //
 // The bundled llama.cpp builds each of a DFlash 2 layer's four convolutions (src/models/dflash.cpp,
-// build_dflash2_conv) from 16 small ops: a copy of the side's coefficients, their repeat over each
+// build_dflash2_conv) from 17 small ops: a copy of the side's coefficients, their repeat over each
 // group of 16, the add of the learned base, and per tap (4) a copy of the tap's weights, a zero pad
 // that shifts the block's rows (taps 1-3), a multiply and an add (taps 1-3). On 2 threads every op
-// ends in a barrier that both threads wait at: a block decode of SmolLM2's drafter has 64 of them
-// in its ~165 ops (BENCHMARKS.md (q)).
+// ends in a barrier that both threads wait at: 136 of a SmolLM2 drafter's block decode are its 8
+// convolutions' (BENCHMARKS.md (q)).
 //
 // This kernel takes a convolution's last add (the op the graph names "*_conv_in-N" or
 // "*_conv_out-N") where the ops that lead to it are exactly build_dflash2_conv's, and computes it
@@ -96,12 +96,18 @@ bool match(const ggml_tensor * root, conv & c) {
         c.inner.push_back(const_cast<ggml_tensor *>(w));
         // the tap's values: the hidden rows (tap 0), or their pad shifting each block by `tap` rows
         const ggml_tensor * v = term->src[1];
+        if (v->view_offs != 0 || ggml_nelements(v) != c.H * c.T) {
+            return false;
+        }
         if (tap == 0) {
             c.hidden = owner(v);
         } else {
+            // pad(view of each block's first rows, `tap` zero rows in front)
             const ggml_tensor * pad = owner(v);
-            if (pad->op != GGML_OP_PAD || owner(pad->src[0]) != c.hidden || ggml_get_op_params_i32(pad, 2) != tap ||
-                ggml_get_op_params_i32(pad, 8) != 0) {
+            const ggml_tensor * rows = pad->src[0];
+            if (pad->op != GGML_OP_PAD || owner(rows) != c.hidden || ggml_get_op_params_i32(pad, 2) != tap ||
+                ggml_get_op_params_i32(pad, 8) != 0 || rows->view_offs != 0 || rows->ne[1] != pad->ne[1] - tap ||
+                rows->nb[1] != c.hidden->nb[1] || rows->nb[2] != pad->ne[1] * c.hidden->nb[1]) {
                 return false;
             }
             for (int p : { 0, 1, 3, 4, 5, 6, 7 }) {
