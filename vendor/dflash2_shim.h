@@ -100,8 +100,8 @@ int64_t         dflash2_q8_0_attention_differences(uint32_t seed, int32_t n_thre
 
 /* ---- integer products of a drafter's Q8_0 weights (vendor/drafter_rows.cpp) ----
  * Makes ggml's CPU backend take the products of adopted Q8_0 weights (a drafter's) in integers:
- * each weight row requantized once to bytes with one scale per row, each activation row to 16-bit
- * integers with one scale. Not ggml's rounding (a drafter's numerics never reach the output: the
+ * each weight row requantized once to bytes with one scale per row, each activation row to bytes
+ * with one scale. Not ggml's rounding (a drafter's numerics never reach the output: the
  * target verifies every drafted token); targets' weights are never adopted. Process-wide, as
  * above. Returns 1 when on, 0 when off (or it failed to register), -1 where this build has no
  * AVX512-VNNI. */

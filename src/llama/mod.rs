@@ -136,8 +136,8 @@ pub enum OpKernel {
     /// (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`]). Built for AVX512-VNNI.
     Q8_0Rows,
     /// Products of a DFlash drafter's Q8_0 weights in integers (vendor/drafter_rows.cpp): each
-    /// weight row requantized once to bytes with one scale, each activation row to 16-bit integers
-    /// with one scale, one exact integer sum per output. Not ggml's rounding: only the weights a
+    /// weight row requantized once to bytes with one scale, each activation row to bytes with one
+    /// scale, one exact integer sum per output. Not ggml's rounding: only the weights a
     /// drafter's context adopts ([`ContextParams::integer_products`]) go through it, never a
     /// target's, whose outputs must be ggml's. Built for AVX512-VNNI.
     DrafterRows,
@@ -218,8 +218,8 @@ impl OpKernel {
     /// Runs every op the kernel takes on random inputs drawn from `seed` (the shapes the kernel's
     /// C entry lists) through ggml's kernel and through this one on `threads` threads, and counts
     /// the outputs whose bits differ (0: they agree); for [`OpKernel::DrafterRows`], which does not
-    /// round as ggml does, the outputs further from the exact product than its error bound. None for the kernels checked on real models
-    /// only (tests/op_kernels.rs). Switches the kernel process-wide meanwhile, so only while no
+    /// round as ggml does, those that differ from its own scheme taken one product at a time or lie
+    /// beyond its error bound. None for the kernels checked on real models only (tests/op_kernels.rs). Switches the kernel process-wide meanwhile, so only while no
     /// decode runs in the process; leaves it as it was.
     pub fn differences(self, seed: u32, threads: i32) -> Option<std::result::Result<u64, String>> {
         init_backend();
