@@ -1,9 +1,9 @@
 //! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/drafter_conv.cpp,
 //! vendor/drafter_ops.cpp, vendor/q8_0_attention.cpp) must give every output the bits ggml's own
-//! kernels give it; the
-//! drafter's integer products (vendor/drafter_rows.cpp) must give each output the bits of their own
-//! scheme, never touch a target, and keep the drafter's candidates. The comparisons switch kernels
-//! off and on for the whole process, so they live in a test binary of their own, one test at a time.
+//! kernels give it; the drafter's integer products (vendor/drafter_rows.cpp) must give each output
+//! the bits of their own scheme, never touch a target, and keep the drafter's candidates. The
+//! comparisons switch kernels off and on for the whole process, so they live in a test binary of
+//! their own, one test at a time.
 mod common;
 
 use common::tail_logits;
@@ -13,6 +13,11 @@ use std::sync::{Arc, Mutex};
 
 /// The comparisons switch kernels process-wide: one at a time.
 static SWITCHING: Mutex<()> = Mutex::new(());
+
+/// The same values, bit for bit.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
 
 /// Every logit with `kernel` on against ggml's own kernel in its place, on both test targets loaded
 /// as the engine loads them (in the layout whose batches round as single rows: on an AVX-512 CPU
@@ -37,8 +42,7 @@ fn rounds_every_logit_as_ggml_does(kernel: OpKernel, built: bool) {
             for chunk in [1, 2, 3, 6, 17] {
                 let ours = tail_logits(&model, tokens, 17, chunk);
                 for (row, (a, b)) in ours.iter().zip(&ggml).enumerate() {
-                    let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{kernel:?}, {file}, {context} tokens, batches of {chunk}: row {row} differs from ggml's");
+                    assert!(same_bits(a, b), "{kernel:?}, {file}, {context} tokens, batches of {chunk}: row {row} differs from ggml's");
                 }
             }
         }
@@ -149,8 +153,7 @@ fn drafter_lattices(switch: impl Fn(bool)) -> [[[dflash2::draft::Lattice; 4]; 2]
         let out = BLOCKS.map(|b| {
             let first = d.draft(&[(tokens[injected], injected, 0)], b).unwrap().remove(0);
             let again = d.draft(&[(tokens[injected], injected, 0)], b).unwrap().remove(0);
-            let same = first.ids == again.ids && first.scores.iter().zip(&again.scores).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "block {b}: a second draft of the same block differs");
+            assert!(first.ids == again.ids && same_bits(&first.scores, &again.scores), "block {b}: a second draft of the same block differs");
             again
         });
         for (l, b) in out.iter().zip(BLOCKS) {
@@ -176,8 +179,7 @@ fn drafter_lattices_as_ggml_gives_them(kernel: OpKernel) {
     for ((ours, ggml), injected) in ours.iter().zip(&ggml).zip([64, 300]) {
         for ((a, g), b) in ours.iter().zip(ggml).zip(BLOCKS) {
             assert_eq!(a.ids, g.ids, "{kernel:?}, {injected} positions, block {b}: candidates differ from ggml's");
-            let same = a.scores.iter().zip(&g.scores).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "{kernel:?}, {injected} positions, block {b}: scores differ from ggml's");
+            assert!(same_bits(&a.scores, &g.scores), "{kernel:?}, {injected} positions, block {b}: scores differ from ggml's");
         }
     }
 }
@@ -314,23 +316,9 @@ fn drafter_rows_leave_every_target_logit_as_ggml_gives_it() {
     use dflash2::draft::drafter::Drafter;
     use dflash2::llama::{CacheType, Context, ContextParams};
     let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
-    let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
-    dflash2::llama::install_kernels();
-    let params = common::engine_params(2, CacheType::F16);
     let drafter = Arc::new(Model::load(&common::shipped_drafter(), &ModelParams::default()).unwrap());
-    let (smollm2, _) = load_target(&common::real_model(common::SMOLLM2), 999, Repack::Auto, &params).unwrap();
+    let smollm2 = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
     let tctx = Context::new(smollm2, &ContextParams { n_ctx: 512, ..ContextParams::default() }, None).unwrap();
     let _alive = Drafter::new(drafter, &tctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
-    for file in [common::SMOLLM2, common::QWEN_05B] {
-        let (model, _) = load_target(&common::real_model(file), 999, Repack::Auto, &params).unwrap();
-        let tokens = model.tokenize(&"def fizzbuzz(n):\n    return n\n".repeat(12), true, false).unwrap();
-        OpKernel::DrafterRows.set(false);
-        let ggml = tail_logits(&model, &tokens, 9, 1);
-        assert_eq!(OpKernel::DrafterRows.set(built), built);
-        for chunk in [1, 3, 9] {
-            let ours = tail_logits(&model, &tokens, 9, chunk);
-            let same = ours.iter().zip(&ggml).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
-            assert!(same, "{file}, batches of {chunk}: logits differ from ggml's");
-        }
-    }
+    rounds_every_logit_as_ggml_does(OpKernel::DrafterRows, built);
 }

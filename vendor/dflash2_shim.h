@@ -115,7 +115,7 @@ void            dflash2_drafter_rows_adopt(const struct ggml_tensor * weight, bo
 /* How many integer forms of adopted weights the kernel has made in this process (one per weight and
  * adoption): 0 where no drafter's products went through it (no VNNI, or ggml's AMX backend holds
  * the weights). */
-int64_t         dflash2_drafter_rows_in_use(void);
+int64_t         dflash2_drafter_rows_made(void);
 /* How many outputs of products of random Q8_0 weights (widths 32-2880, 4 or 136 rows, 1-17
  * activation rows, drawn from `seed`) differ in any bit from the kernel's scheme taken one product at
  * a time, or lie further from the exact product than the scheme's error bound (half a step of the

@@ -390,7 +390,7 @@ extern "C" void dflash2_drafter_rows_adopt(const struct ggml_tensor * weight, bo
 #endif
 }
 
-extern "C" int64_t dflash2_drafter_rows_in_use(void) {
+extern "C" int64_t dflash2_drafter_rows_made(void) {
 #if DFLASH2_DRAFTER_ROWS
     return made_total.load();
 #else

@@ -255,7 +255,7 @@ impl OpKernel {
     /// drafter's weights), [`OpKernel::DrafterConv`] the convolutions it computed.
     pub fn taken(self) -> Option<u64> {
         let n = match self {
-            OpKernel::DrafterRows => unsafe { shim::dflash2_drafter_rows_in_use() },
+            OpKernel::DrafterRows => unsafe { shim::dflash2_drafter_rows_made() },
             OpKernel::DrafterConv => unsafe { shim::dflash2_drafter_conv_computed() },
             _ => return None,
         };
