@@ -18,6 +18,7 @@ const KERNELS: &[&str] = &[
     "vendor/drafter_ops.cpp",
     "vendor/drafter_rows.cpp",
     "vendor/f16_attention.cpp",
+    "vendor/q4_0x8_rows.cpp",
     "vendor/q8_0_attention.cpp",
     "vendor/quant_rows.cpp",
 ];

@@ -1,4 +1,4 @@
-//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/drafter_conv.cpp,
+//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/q4_0x8_rows.cpp, vendor/drafter_conv.cpp,
 //! vendor/drafter_ops.cpp, vendor/q8_0_attention.cpp) must give every output the bits ggml's own
 //! kernels give it; the drafter's integer products (vendor/drafter_rows.cpp) must give each output
 //! the bits of their own scheme, never touch a target, and keep the drafter's candidates. The
@@ -25,12 +25,20 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 /// in verify batches of 2, 3, 6 and 17 rows, before and past 256 cells of cache. `built` says
 /// whether this build has the kernel (the CPU features it needs).
 fn rounds_every_logit_as_ggml_does(kernel: OpKernel, built: bool) {
+    let targets = [common::real_model(common::SMOLLM2), common::real_model(common::QWEN_05B)];
+    rounds_every_logit_of_as_ggml_does(kernel, built, &targets, |_| ());
+}
+
+/// The same on `targets`; `loaded` looks at each target model as loaded.
+fn rounds_every_logit_of_as_ggml_does(kernel: OpKernel, built: bool, targets: &[std::path::PathBuf], loaded: impl Fn(&Model)) {
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels(); // as every target load does
     assert_eq!(kernel.is_on(), built, "{kernel:?} must be on exactly where it is built");
-    for file in [common::SMOLLM2, common::QWEN_05B] {
+    for target in targets {
+        let file = target.display();
         let params = common::engine_params(2, dflash2::llama::CacheType::F16);
-        let (model, _) = load_target(&common::real_model(file), 999, Repack::Auto, &params).unwrap();
+        let (model, _) = load_target(target, 999, Repack::Auto, &params).unwrap();
+        loaded(&model);
         let text = "def fizzbuzz(n):\n    \"\"\"Return the FizzBuzz sequence up to n.\"\"\"\n".repeat(20);
         let tokens = model.tokenize(&text, true, false).unwrap();
         assert!(tokens.len() > 300, "the context must pass 256 cells");
@@ -66,6 +74,28 @@ fn f16_attention_kernel_rounds_every_logit_as_ggml_does() {
 fn q5_0_kernel_rounds_every_logit_as_ggml_does() {
     let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
     rounds_every_logit_as_ggml_does(OpKernel::Q5_0Rows, built);
+}
+
+/// SmolLM2 requantized to Q4_0 (`dflash2 quantize`, the target of the speed goal) has its layers'
+/// weights repacked into 8-column runs on AVX2 CPUs without AMX, which dflash2's kernel multiplies
+/// by 2 or more rows on AVX512-VNNI CPUs: 2, 3 and 6 rows are one pass over each block, 17 and the
+/// prompt several passes of 8 and a last short one; a single step stays ggml's. The kernel must sit
+/// in front of every such weight (30 layers of 7) where it is built and ggml repacks them so.
+#[test]
+fn q4_0x8_kernel_rounds_every_logit_as_ggml_does() {
+    let info = dflash2::llama::system_info();
+    let built = info.contains("AVX512_VNNI = 1");
+    let q4_0 = common::scratch_dir("op-kernels-q4_0").join("SmolLM2-135M-Instruct.Q4_0.gguf");
+    if !q4_0.exists() {
+        let (_, q4_0_type) = dflash2::llama::QUANT_TYPES.into_iter().find(|(name, _)| *name == "q4_0").unwrap();
+        dflash2::llama::quantize(&common::real_model(common::SMOLLM2), &q4_0, q4_0_type, true, 2).unwrap();
+    }
+    let repacked_here = built && !info.contains("AMX_INT8 = 1"); // AMX CPUs hold Q4_0 in AMX tiles instead
+    let before = OpKernel::Q4_0x8Rows.taken().unwrap_or(0);
+    rounds_every_logit_of_as_ggml_does(OpKernel::Q4_0x8Rows, built, &[q4_0], |_| {
+        let taken = OpKernel::Q4_0x8Rows.taken().unwrap_or(0) - before;
+        assert_eq!(taken, if repacked_here { 30 * 7 } else { 0 }, "the kernel sits in front of {taken} weights");
+    });
 }
 
 /// SmolLM2's output head (its tied token embeddings) and Qwen2.5-Coder's head and value projections
@@ -254,7 +284,15 @@ fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
     dflash2::llama::install_kernels();
     let vnni = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
     let needs_vnni = |k: OpKernel| !matches!(k, OpKernel::DrafterOps | OpKernel::DrafterConv);
-    for kernel in [OpKernel::DrafterConv, OpKernel::DrafterOps, OpKernel::Q8_0Attention, OpKernel::Q5_0Rows, OpKernel::Q8_0Rows, OpKernel::DrafterRows] {
+    for kernel in [
+        OpKernel::DrafterConv,
+        OpKernel::DrafterOps,
+        OpKernel::Q8_0Attention,
+        OpKernel::Q5_0Rows,
+        OpKernel::Q4_0x8Rows,
+        OpKernel::Q8_0Rows,
+        OpKernel::DrafterRows,
+    ] {
         for seed in 1..=3 {
             for threads in [1, 2] {
                 match kernel.differences(seed, threads).expect("these kernels have random checks") {

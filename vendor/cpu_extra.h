@@ -74,6 +74,26 @@ inline __m256 q8_0_dot_step(__m256 acc, __m256i w, float w_scale, const q8_0_ope
 }
 #endif
 
+// Computes `out` (whose graph lives in `ctx`, inputs recomputed by the graph itself) on n_threads
+// threads with a kernel switched off (`turn(false)`: ggml's) and on, and counts the output elements
+// whose bytes differ. Leaves the kernel on.
+template <class Switch> int64_t differences(ggml_context * ctx, ggml_tensor * out, int n_threads, Switch turn) {
+    ggml_cgraph * graph = ggml_new_graph(ctx);
+    ggml_build_forward_expand(graph, out);
+    const size_t bytes = ggml_nbytes(out), element = ggml_type_size(out->type);
+    turn(false);
+    ggml_graph_compute_with_ctx(ctx, graph, n_threads);
+    std::vector<char> ggmls((const char *) out->data, (const char *) out->data + bytes);
+    std::memset(out->data, 0x7f, bytes);  // NaNs where a float output is left unwritten
+    turn(true);
+    ggml_graph_compute_with_ctx(ctx, graph, n_threads);
+    int64_t differing = 0;
+    for (size_t i = 0; i < bytes; i += element) {
+        differing += std::memcmp(ggmls.data() + i, (const char *) out->data + i, element) != 0;
+    }
+    return differing;
+}
+
 // Adds `extra` to ggml's CPU extra buffer types, once per object (later calls find it there).
 // Returns false where the CPU backend could not be found. Not safe while anything in the process
 // computes: ggml reads that list without a lock.
@@ -125,21 +145,9 @@ template <class Traits> class op_kernel : public ggml::cpu::extra_buffer_type {
         if (!Traits::takes(out)) {
             return -2;
         }
-        ggml_cgraph * graph = ggml_new_graph(ctx);
-        ggml_build_forward_expand(graph, out);
         const bool was_on = on();
-        const size_t bytes = ggml_nbytes(out), element = ggml_type_size(out->type);
-        set(false);
-        ggml_graph_compute_with_ctx(ctx, graph, n_threads);
-        std::vector<char> ggmls((const char *) out->data, (const char *) out->data + bytes);
-        std::memset(out->data, 0x7f, bytes);  // NaNs where a float output is left unwritten
-        set(true);
-        ggml_graph_compute_with_ctx(ctx, graph, n_threads);
+        const int64_t differing = dflash2::differences(ctx, out, n_threads, [this](bool on) { set(on); });
         set(was_on);
-        int64_t differing = 0;
-        for (size_t i = 0; i < bytes; i += element) {
-            differing += std::memcmp(ggmls.data() + i, (const char *) out->data + i, element) != 0;
-        }
         return differing;
     }
 

@@ -60,6 +60,7 @@ const TILED_MM: &str = "GGML_CPU_TILED_MM";
 pub const NO_FEW_ROW_KERNELS: &str = "DFLASH2_NO_FEW_ROW_KERNELS";
 pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
 pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
+pub const NO_Q4_0X8_ROWS: &str = "DFLASH2_NO_Q4_0X8_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
 pub const NO_Q8_0_ATTENTION: &str = "DFLASH2_NO_Q8_0_ATTENTION";
 pub const NO_Q8_0_ROWS: &str = "DFLASH2_NO_Q8_0_ROWS";
@@ -69,7 +70,7 @@ pub const NO_DRAFTER_CONV: &str = "DFLASH2_NO_DRAFTER_CONV";
 /// probe cache keys on them (a drafter's integer products, [`OpKernel::DrafterRows`], never run
 /// for a target).
 pub const KERNEL_SWITCHES: &[&str] =
-    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -120,6 +121,11 @@ pub enum OpKernel {
     /// block unpacked once for up to four of them, four weight rows side by side; for one, the
     /// weights streamed a row at a time. Built for AVX512-VNNI.
     Q5_0Rows,
+    /// Products of 2 or more rows with the Q4_0 weights ggml repacks into 8-column runs on AVX2 CPUs
+    /// (vendor/q4_0x8_rows.cpp): 16 columns to a register, each block unpacked once for up to 8
+    /// rows (a verify's). It sits in front of ggml's traits of the weights that a target load puts
+    /// it before (`Model::load`); one row stays ggml's. Built for AVX512-VNNI.
+    Q4_0x8Rows,
     /// The DFlash 2 drafter's convolutions, each computed at its last add from its per-tap weights
     /// and hidden rows (vendor/drafter_conv.cpp); the 13 ops between them are skipped, with their
     /// barriers.
@@ -147,9 +153,10 @@ impl OpKernel {
     /// In the order ggml asks them whether they take an op: the drafter's convolutions before the
     /// drafter ops that take some of their ops, the drafter's integer products before the Q8_0
     /// products that would take the same weights.
-    pub const ALL: [OpKernel; 7] = [
+    pub const ALL: [OpKernel; 8] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
+        OpKernel::Q4_0x8Rows,
         OpKernel::DrafterConv,
         OpKernel::DrafterOps,
         OpKernel::Q8_0Attention,
@@ -162,6 +169,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => "attention over an f16 cache",
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
+            OpKernel::Q4_0x8Rows => "products of repacked Q4_0 weights with several rows",
             OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
@@ -175,6 +183,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => "f16_attention",
             OpKernel::Q5_0Rows => "q5_0_rows",
+            OpKernel::Q4_0x8Rows => "q4_0x8_rows",
             OpKernel::DrafterConv => "drafter_conv",
             OpKernel::DrafterOps => "drafter_ops",
             OpKernel::Q8_0Attention => "q8_0_attention",
@@ -188,6 +197,7 @@ impl OpKernel {
         match self {
             OpKernel::F16Attention => NO_F16_ATTENTION,
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
+            OpKernel::Q4_0x8Rows => NO_Q4_0X8_ROWS,
             OpKernel::DrafterConv => NO_DRAFTER_CONV,
             OpKernel::DrafterOps => NO_DRAFTER_OPS,
             OpKernel::Q8_0Attention => NO_Q8_0_ATTENTION,
@@ -204,6 +214,7 @@ impl OpKernel {
             match self {
                 OpKernel::F16Attention => shim::dflash2_set_f16_attention(on),
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
+                OpKernel::Q4_0x8Rows => shim::dflash2_set_q4_0x8_rows(on),
                 OpKernel::DrafterConv => shim::dflash2_set_drafter_conv(on),
                 OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
                 OpKernel::Q8_0Attention => shim::dflash2_set_q8_0_attention(on),
@@ -229,6 +240,7 @@ impl OpKernel {
                 OpKernel::DrafterOps => shim::dflash2_drafter_ops_differences(seed, threads),
                 OpKernel::Q8_0Attention => shim::dflash2_q8_0_attention_differences(seed, threads),
                 OpKernel::Q5_0Rows => shim::dflash2_q5_0_rows_differences(seed, threads),
+                OpKernel::Q4_0x8Rows => shim::dflash2_q4_0x8_rows_differences(seed, threads),
                 OpKernel::Q8_0Rows => shim::dflash2_q8_0_rows_differences(seed, threads),
                 // Not ggml's rounding: the outputs beyond the kernel's error bound.
                 OpKernel::DrafterRows => shim::dflash2_drafter_rows_excess(seed, threads),
@@ -252,9 +264,11 @@ impl OpKernel {
     /// How much the kernel has taken in this process, for the kernels that count it (None for the
     /// others): [`OpKernel::DrafterRows`] the drafter weights it multiplied (once per weight and
     /// adoption; 0 where none went through it: a CPU without VNNI, or ggml's AMX backend holds the
-    /// drafter's weights), [`OpKernel::DrafterConv`] the convolutions it computed.
+    /// drafter's weights), [`OpKernel::DrafterConv`] the convolutions it computed,
+    /// [`OpKernel::Q4_0x8Rows`] the repacked Q4_0 weights of loaded models it sits in front of.
     pub fn taken(self) -> Option<u64> {
         let n = match self {
+            OpKernel::Q4_0x8Rows => unsafe { shim::dflash2_q4_0x8_rows_wrapped() },
             OpKernel::DrafterRows => unsafe { shim::dflash2_drafter_rows_made() },
             OpKernel::DrafterConv => unsafe { shim::dflash2_drafter_conv_computed() },
             _ => return None,
