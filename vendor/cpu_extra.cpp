@@ -3,8 +3,13 @@
 
 #include "cpu_extra.h"
 
+#define GGML_COMMON_DECL_CPP
+#include "ggml-common.h"  // block_q8_0
+
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+
+#include <algorithm>
 
 #include <list>
 #include <mutex>
@@ -60,6 +65,26 @@ bool register_cpu_extra(ggml::cpu::extra_buffer_type * extra, const char * name)
     t.type.context = extra;
     ggml_backend_cpu_get_extra_buffer_types().push_back(&t.type);
     return true;
+}
+
+void random_weights(std::mt19937 & rng, ggml_type type, void * data, int64_t width, int64_t n) {
+    std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+    std::vector<float> values(size_t(width * n));
+    for (float & v : values) v = uniform(rng) * (rng() % 8 == 0 ? 40.0f : 1.0f);
+    ggml_quantize_chunk(type, values.data(), data, 0, n, width, nullptr);
+    if (type == GGML_TYPE_Q8_0) {
+        auto * blocks = static_cast<block_q8_0 *>(data);
+        for (int i = 0; i < 16; ++i) blocks[rng() % (width * n / QK8_0)].qs[rng() % QK8_0] = -128;
+    }
+}
+
+void random_rows(std::mt19937 & rng, ggml_tensor * y, uint32_t outliers) {
+    std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+    auto * values = static_cast<float *>(y->data);
+    for (int64_t i = 0; i < ggml_nelements(y); ++i) values[i] = uniform(rng) * (outliers && rng() % outliers == 0 ? 40.0f : 1.0f);
+    if (y->ne[1] > 1) {
+        std::fill_n(values, y->ne[0], 0.0f);
+    }
 }
 
 }  // namespace dflash2

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #if defined(__AVX__)
@@ -93,6 +94,14 @@ template <class Switch> int64_t differences(ggml_context * ctx, ggml_tensor * ou
     }
     return differing;
 }
+
+// What the products' random checks multiply. Weights: n rows of `width` values uniform in (-2, 2),
+// one in 8 forty times larger (blocks dominated by one value), quantized by ggml into `data`; a
+// q8_0 weight also gets -128 at 16 places, a valid quant that ggml's quantizer never writes.
+void random_weights(std::mt19937 & rng, ggml_type type, void * data, int64_t width, int64_t n);
+// Activation rows: values uniform in (-2, 2), one in `outliers` (0: none) forty times larger; the
+// first row all zeros (a zero scale) where there are several.
+void random_rows(std::mt19937 & rng, ggml_tensor * y, uint32_t outliers);
 
 // Adds `extra` to ggml's CPU extra buffer types, once per object (later calls find it there).
 // Returns false where the CPU backend could not be found. Not safe while anything in the process

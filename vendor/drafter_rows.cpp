@@ -299,7 +299,6 @@ float quantized(const float * v, int64_t k, std::vector<int32_t> & q) {
 // |w - w'| <= s_w / 2 and |a - a'| <= s_a / 2, summed over the row,
 // sum_i (s_w / 2 |a_i| + (|w_i| + s_w / 2) s_a / 2), plus float rounding.
 int64_t excess(std::mt19937 & rng, int n_threads) {
-    std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
     int64_t beyond = 0;
     for (int64_t width : { 32, 576, 1536, 2880 })
         for (int64_t n : { 4, 136 })
@@ -310,14 +309,9 @@ int64_t excess(std::mt19937 & rng, int n_threads) {
                     return -3;
                 }
                 ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_Q8_0, width, n);
-                std::vector<float> values((size_t) (width * n));
-                for (float & v : values) v = uniform(rng) * (rng() % 8 == 0 ? 40.0f : 1.0f);
-                ggml_quantize_chunk(GGML_TYPE_Q8_0, values.data(), x->data, 0, n, width, nullptr);
-                for (int i = 0; i < 16; ++i) ((block_q8_0 *) x->data)[rng() % (ggml_nelements(x) / QK)].qs[rng() % QK] = -128;
+                dflash2::random_weights(rng, GGML_TYPE_Q8_0, x->data, width, n);
                 ggml_tensor * y = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, m);
-                for (int64_t i = 0; i < ggml_nelements(y); ++i) {
-                    ((float *) y->data)[i] = i < width && m > 1 ? 0.0f : uniform(rng) * (rng() % 64 == 0 ? 40.0f : 1.0f);
-                }
+                dflash2::random_rows(rng, y, 64);
                 ggml_tensor * out = ggml_mul_mat(ctx, x, y);
                 adopt(x);
                 const bool taken = drafter_rows_traits::takes(out);

@@ -237,7 +237,6 @@ void wrap(ggml_tensor * t) {
 // rows (one of them all zeros): 2 to 17 rows, 8 to 136 columns (one run alone, a pair and one
 // alone, many pairs), through ggml's product and the kernel.
 int64_t differences(std::mt19937 & rng, int n_threads) {
-    std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
     int64_t differing = 0;
     for (int64_t width : { 32, 576, 1536 })
         for (int64_t n : { 8, 24, 136 })
@@ -254,17 +253,15 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
                 if (!buffer || ggml_backend_tensor_alloc(buffer, x, ggml_backend_buffer_get_base(buffer)) != GGML_STATUS_SUCCESS) {
                     return -3;
                 }
-                std::vector<float> values(size_t(width * n));
-                for (float & v : values) v = uniform(rng) * (rng() % 8 == 0 ? 40.0f : 1.0f);
                 std::vector<block_q4_0> quants(size_t(width * n / QK));
-                ggml_quantize_chunk(GGML_TYPE_Q4_0, values.data(), quants.data(), 0, n, width, nullptr);
+                dflash2::random_weights(rng, GGML_TYPE_Q4_0, quants.data(), width, n);
                 ggml_backend_tensor_set(x, quants.data(), 0, ggml_nbytes(x));  // ggml repacks it here
                 if (!repacked_q4_0x8(x)) {
                     return -2;
                 }
                 wrap(x);
                 ggml_tensor * y = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, m);
-                for (int64_t i = 0; i < ggml_nelements(y); ++i) ((float *) y->data)[i] = i < width ? 0.0f : uniform(rng);
+                dflash2::random_rows(rng, y, 0);
                 const int64_t d = dflash2::differences(ctx, ggml_mul_mat(ctx, x, y), n_threads, [](bool on) { enabled.store(on); });
                 ggml_backend_buffer_free(buffer);
                 ggml_free(ctx);

@@ -189,7 +189,6 @@ dflash2::op_kernel<rows_traits<q8_0>> q8_0_kernel{ "DFLASH2_Q8_0_ROWS" };
 // (one of them all zeros), of the drafters' and targets' widths, through ggml's product and the
 // kernel: 1 to 17 activation rows, 8 to 136 weight rows.
 template <class W> int64_t differences(dflash2::op_kernel<rows_traits<W>> & kernel, std::mt19937 & rng, int n_threads) {
-    std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
     int64_t differing = 0;
     for (int64_t width : { 32, 576, 896, 1536 })
         for (int64_t n : { 8, 136 })
@@ -200,14 +199,9 @@ template <class W> int64_t differences(dflash2::op_kernel<rows_traits<W>> & kern
                     return -3;
                 }
                 ggml_tensor * x = ggml_new_tensor_2d(ctx, W::type, width, n);
-                std::vector<float> values(size_t(width * n));
-                for (float & v : values) v = uniform(rng) * (rng() % 8 == 0 ? 40.0f : 1.0f);
-                ggml_quantize_chunk(W::type, values.data(), x->data, 0, n, width, nullptr);
-                if (W::type == GGML_TYPE_Q8_0) {  // -128 is a valid q8_0 weight, though ggml's quantizer never writes it
-                    for (int i = 0; i < 16; ++i) ((block_q8_0 *) x->data)[rng() % (ggml_nelements(x) / QK)].qs[rng() % QK] = -128;
-                }
+                dflash2::random_weights(rng, W::type, x->data, width, n);
                 ggml_tensor * y = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, m);
-                for (int64_t i = 0; i < ggml_nelements(y); ++i) ((float *) y->data)[i] = i < width && m > 1 ? 0.0f : uniform(rng);
+                dflash2::random_rows(rng, y, 0);
                 const int64_t d = kernel.differences(ctx, ggml_mul_mat(ctx, x, y), n_threads);
                 ggml_free(ctx);
                 if (d < 0) {
