@@ -184,7 +184,7 @@ dflash2_status dflash2_engine_params_init(dflash2_engine_params *params);
 
 /* Check the model files (readable GGUF; a drafter that pairs with the target), load them and
  * store the settings. On success *out is a new engine; on failure *out is NULL. The first call
- * also plugs dflash2's op kernels (attention over f16 caches, Q5_0 and Q8_0 weights, repacked Q4_0
+ * also plugs dflash2's op kernels (attention over f16 caches, Q4_1, Q5_0 and Q8_0 weights, repacked Q4_0
  * weights by several rows, a DFlash drafter's small ops and convolutions, flash attention over q8_0
  * caches; outputs bit-identical to ggml's own) into ggml's CPU backend for the whole process, and
  * the drafter's Q8_0 products in

@@ -243,7 +243,7 @@ fn inspect_check_probes_at_a_given_context_with_reference_flash_attention() {
     }
     // the kernels check themselves against ggml's on random inputs, on this CPU
     assert_eq!(j["drafter_ops_random_check"]["differing_outputs"], 0, "{j}");
-    for kernel in ["q8_0_attention", "q5_0_rows", "q4_0x8_rows", "q8_0_rows"] {
+    for kernel in ["q8_0_attention", "q5_0_rows", "q4_0x8_rows", "q4_1_rows", "q8_0_rows"] {
         if j[kernel] == true {
             assert_eq!(j[format!("{kernel}_random_check")]["differing_outputs"], 0, "{kernel}: {j}");
         }

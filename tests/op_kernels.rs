@@ -76,6 +76,16 @@ fn q5_0_kernel_rounds_every_logit_as_ggml_does() {
     rounds_every_logit_as_ggml_does(OpKernel::Q5_0Rows, built);
 }
 
+/// SmolLM2 as shipped keeps its layers' weights in Q4_1, which ggml repacks for no CPU without AMX
+/// and dflash2's kernel multiplies on AVX512-VNNI CPUs (the blocks' minimums times the activations'
+/// sums added as ggml adds them): one weight row at a time for one row, four by up to four rows
+/// for more.
+#[test]
+fn q4_1_kernel_rounds_every_logit_as_ggml_does() {
+    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    rounds_every_logit_as_ggml_does(OpKernel::Q4_1Rows, built);
+}
+
 /// SmolLM2 requantized to Q4_0 (`dflash2 quantize`, the target of the speed goal) has its layers'
 /// weights repacked into 8-column runs on AVX2 CPUs without AMX, which dflash2's kernel multiplies
 /// by 2 or more rows on AVX512-VNNI CPUs: 2, 3 and 6 rows are one pass over each block, 17 and the
@@ -290,6 +300,7 @@ fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
         OpKernel::Q8_0Attention,
         OpKernel::Q5_0Rows,
         OpKernel::Q4_0x8Rows,
+        OpKernel::Q4_1Rows,
         OpKernel::Q8_0Rows,
         OpKernel::DrafterRows,
     ] {

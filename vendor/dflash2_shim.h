@@ -43,7 +43,7 @@ int32_t         dflash2_model_few_row_kernels(struct llama_model * model);
  * register), -1 where this build has no AVX-512. */
 int32_t         dflash2_set_f16_attention(bool on);
 
-/* ---- Q5_0 and Q8_0 weights (vendor/quant_rows.cpp) ----
+/* ---- Q5_0, Q8_0 and Q4_1 weights (vendor/quant_rows.cpp) ----
  * Make ggml's CPU backend multiply 2-D Q5_0 (Q8_0) weights by f32 activations with a kernel that
  * rounds every output as ggml_vec_dot_q5_0_q8_0 (ggml_vec_dot_q8_0_q8_0) does, reading each weight
  * block once for up to four activation rows and running several weight rows side by side. One
@@ -52,11 +52,14 @@ int32_t         dflash2_set_f16_attention(bool on);
  * AVX512-VNNI. */
 int32_t         dflash2_set_q5_0_rows(bool on);
 int32_t         dflash2_set_q8_0_rows(bool on);
+/* The same for Q4_1 weights (rounding as ggml_vec_dot_q4_1_q8_1, minimums included). */
+int32_t         dflash2_set_q4_1_rows(bool on);
 /* The count of outputs that differ from ggml's, over products of random weights of the type by
  * random activation rows (1-17 rows, widths 32-1536): 0 when they agree, -1 where not built, -3 on
  * an error. */
 int64_t         dflash2_q5_0_rows_differences(uint32_t seed, int32_t n_threads);
 int64_t         dflash2_q8_0_rows_differences(uint32_t seed, int32_t n_threads);
+int64_t         dflash2_q4_1_rows_differences(uint32_t seed, int32_t n_threads);
 
 /* ---- Q4_0 weights repacked for AVX2 (vendor/q4_0x8_rows.cpp) ----
  * Puts a kernel in front of ggml's for model's Q4_0 weights that ggml repacked into 8-column runs

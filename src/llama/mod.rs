@@ -61,6 +61,7 @@ pub const NO_FEW_ROW_KERNELS: &str = "DFLASH2_NO_FEW_ROW_KERNELS";
 pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
 pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
 pub const NO_Q4_0X8_ROWS: &str = "DFLASH2_NO_Q4_0X8_ROWS";
+pub const NO_Q4_1_ROWS: &str = "DFLASH2_NO_Q4_1_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
 pub const NO_Q8_0_ATTENTION: &str = "DFLASH2_NO_Q8_0_ATTENTION";
 pub const NO_Q8_0_ROWS: &str = "DFLASH2_NO_Q8_0_ROWS";
@@ -70,7 +71,7 @@ pub const NO_DRAFTER_CONV: &str = "DFLASH2_NO_DRAFTER_CONV";
 /// probe cache keys on them (a drafter's integer products, [`OpKernel::DrafterRows`], never run
 /// for a target).
 pub const KERNEL_SWITCHES: &[&str] =
-    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_Q4_1_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -126,6 +127,10 @@ pub enum OpKernel {
     /// rows (a verify's). It sits in front of ggml's traits of the weights that a target load puts
     /// it before (`Model::load`); one row stays ggml's. Built for AVX512-VNNI.
     Q4_0x8Rows,
+    /// Products of Q4_1 weights (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`], the blocks'
+    /// minimums added as ggml adds them): SmolLM2's Q4_1 on AVX2 CPUs without AMX, where ggml
+    /// has no repacked layout for them. Built for AVX512-VNNI.
+    Q4_1Rows,
     /// The DFlash 2 drafter's convolutions, each computed at its last add from its per-tap weights
     /// and hidden rows (vendor/drafter_conv.cpp); the 13 ops between them are skipped, with their
     /// barriers.
@@ -153,10 +158,11 @@ impl OpKernel {
     /// In the order ggml asks them whether they take an op: the drafter's convolutions before the
     /// drafter ops that take some of their ops, the drafter's integer products before the Q8_0
     /// products that would take the same weights.
-    pub const ALL: [OpKernel; 8] = [
+    pub const ALL: [OpKernel; 9] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
         OpKernel::Q4_0x8Rows,
+        OpKernel::Q4_1Rows,
         OpKernel::DrafterConv,
         OpKernel::DrafterOps,
         OpKernel::Q8_0Attention,
@@ -170,6 +176,7 @@ impl OpKernel {
             OpKernel::F16Attention => "attention over an f16 cache",
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
             OpKernel::Q4_0x8Rows => "products of repacked Q4_0 weights with several rows",
+            OpKernel::Q4_1Rows => "products of Q4_1 weights",
             OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
@@ -184,6 +191,7 @@ impl OpKernel {
             OpKernel::F16Attention => "f16_attention",
             OpKernel::Q5_0Rows => "q5_0_rows",
             OpKernel::Q4_0x8Rows => "q4_0x8_rows",
+            OpKernel::Q4_1Rows => "q4_1_rows",
             OpKernel::DrafterConv => "drafter_conv",
             OpKernel::DrafterOps => "drafter_ops",
             OpKernel::Q8_0Attention => "q8_0_attention",
@@ -198,6 +206,7 @@ impl OpKernel {
             OpKernel::F16Attention => NO_F16_ATTENTION,
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
             OpKernel::Q4_0x8Rows => NO_Q4_0X8_ROWS,
+            OpKernel::Q4_1Rows => NO_Q4_1_ROWS,
             OpKernel::DrafterConv => NO_DRAFTER_CONV,
             OpKernel::DrafterOps => NO_DRAFTER_OPS,
             OpKernel::Q8_0Attention => NO_Q8_0_ATTENTION,
@@ -215,6 +224,7 @@ impl OpKernel {
                 OpKernel::F16Attention => shim::dflash2_set_f16_attention(on),
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
                 OpKernel::Q4_0x8Rows => shim::dflash2_set_q4_0x8_rows(on),
+                OpKernel::Q4_1Rows => shim::dflash2_set_q4_1_rows(on),
                 OpKernel::DrafterConv => shim::dflash2_set_drafter_conv(on),
                 OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
                 OpKernel::Q8_0Attention => shim::dflash2_set_q8_0_attention(on),
@@ -241,6 +251,7 @@ impl OpKernel {
                 OpKernel::Q8_0Attention => shim::dflash2_q8_0_attention_differences(seed, threads),
                 OpKernel::Q5_0Rows => shim::dflash2_q5_0_rows_differences(seed, threads),
                 OpKernel::Q4_0x8Rows => shim::dflash2_q4_0x8_rows_differences(seed, threads),
+                OpKernel::Q4_1Rows => shim::dflash2_q4_1_rows_differences(seed, threads),
                 OpKernel::Q8_0Rows => shim::dflash2_q8_0_rows_differences(seed, threads),
                 // Not ggml's rounding: the outputs beyond the kernel's error bound.
                 OpKernel::DrafterRows => shim::dflash2_drafter_rows_excess(seed, threads),
