@@ -129,10 +129,19 @@ template <class W, int R, int G>
 inline void tile(int64_t blocks, const char * x, size_t stride, const q8_0_operand * const * act, const float * const * sums,
                  float * const * out) {
     __m256 acc[R][G];
-    float mins[R][G] = {};
-    for (int r = 0; r < R; ++r)
+    __m128 mins[R];  // lane g: weight row r's minimums times activation row g's sums, so far
+    for (int r = 0; r < R; ++r) {
         for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+        mins[r] = _mm_setzero_ps();
+    }
     for (int64_t ib = 0; ib < blocks; ++ib) {
+        __m128 block_sums = _mm_setzero_ps();  // lane g: activation row g's sum of this block
+        if constexpr (W::with_min) {  // inserted lane by lane: a store and a wider load would stall
+            block_sums = _mm_load_ss(&sums[0][ib]);
+            if constexpr (G > 1) block_sums = _mm_insert_ps(block_sums, _mm_load_ss(&sums[1][ib]), 0x10);
+            if constexpr (G > 2) block_sums = _mm_insert_ps(block_sums, _mm_load_ss(&sums[2][ib]), 0x20);
+            if constexpr (G > 3) block_sums = _mm_insert_ps(block_sums, _mm_load_ss(&sums[3][ib]), 0x30);
+        }
         for (int r = 0; r < R; ++r) {
             const typename W::block & b = ((const typename W::block *) (x + r * stride))[ib];
             if (G > 1) {
@@ -142,13 +151,15 @@ inline void tile(int64_t blocks, const char * x, size_t stride, const q8_0_opera
             const float xd = _cvtsh_ss(b.d);
             for (int g = 0; g < G; ++g) acc[r][g] = dflash2::q8_0_dot_step(acc[r][g], w, xd, act[g][ib]);
             if constexpr (W::with_min) {
-                const float xm = _cvtsh_ss(b.m);
-                for (int g = 0; g < G; ++g) mins[r][g] = std::fma(xm, sums[g][ib], mins[r][g]);
+                mins[r] = _mm_fmadd_ps(_mm_set1_ps(_cvtsh_ss(b.m)), block_sums, mins[r]);
             }
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) out[g][r] = W::with_min ? dflash2::hsum_float_8(acc[r][g]) + mins[r][g] : dflash2::hsum_float_8(acc[r][g]);
+    for (int r = 0; r < R; ++r) {
+        alignas(16) float m[4];
+        _mm_store_ps(m, mins[r]);
+        for (int g = 0; g < G; ++g) out[g][r] = W::with_min ? dflash2::hsum_float_8(acc[r][g]) + m[g] : dflash2::hsum_float_8(acc[r][g]);
+    }
 }
 
 template <class W, int R>
