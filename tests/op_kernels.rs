@@ -14,6 +14,11 @@ use std::sync::{Arc, Mutex};
 /// The comparisons switch kernels process-wide: one at a time.
 static SWITCHING: Mutex<()> = Mutex::new(());
 
+/// Whether this CPU has what the product and q8_0 attention kernels are built for.
+fn vnni() -> bool {
+    dflash2::llama::system_info().contains("AVX512_VNNI = 1")
+}
+
 /// The same values, bit for bit.
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
@@ -72,7 +77,7 @@ fn f16_attention_kernel_rounds_every_logit_as_ggml_does() {
 /// several, the last one short).
 #[test]
 fn q5_0_kernel_rounds_every_logit_as_ggml_does() {
-    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    let built = vnni();
     rounds_every_logit_as_ggml_does(OpKernel::Q5_0Rows, built);
 }
 
@@ -82,7 +87,7 @@ fn q5_0_kernel_rounds_every_logit_as_ggml_does() {
 /// for more.
 #[test]
 fn q4_1_kernel_rounds_every_logit_as_ggml_does() {
-    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    let built = vnni();
     rounds_every_logit_as_ggml_does(OpKernel::Q4_1Rows, built);
 }
 
@@ -93,14 +98,13 @@ fn q4_1_kernel_rounds_every_logit_as_ggml_does() {
 /// in front of every such weight (30 layers of 7) where it is built and ggml repacks them so.
 #[test]
 fn q4_0x8_kernel_rounds_every_logit_as_ggml_does() {
-    let info = dflash2::llama::system_info();
-    let built = info.contains("AVX512_VNNI = 1");
+    let built = vnni();
     let q4_0 = common::scratch_dir("op-kernels-q4_0").join("SmolLM2-135M-Instruct.Q4_0.gguf");
     if !q4_0.exists() {
         let (_, q4_0_type) = dflash2::llama::QUANT_TYPES.into_iter().find(|(name, _)| *name == "q4_0").unwrap();
         dflash2::llama::quantize(&common::real_model(common::SMOLLM2), &q4_0, q4_0_type, true, 2).unwrap();
     }
-    let repacked_here = built && !info.contains("AMX_INT8 = 1"); // AMX CPUs hold Q4_0 in AMX tiles instead
+    let repacked_here = built && !dflash2::llama::system_info().contains("AMX_INT8 = 1"); // AMX CPUs hold Q4_0 in AMX tiles instead
     let before = OpKernel::Q4_0x8Rows.taken().unwrap_or(0);
     rounds_every_logit_of_as_ggml_does(OpKernel::Q4_0x8Rows, built, &[q4_0], |_| {
         let taken = OpKernel::Q4_0x8Rows.taken().unwrap_or(0) - before;
@@ -113,7 +117,7 @@ fn q4_0x8_kernel_rounds_every_logit_as_ggml_does() {
 /// not hold them: eight weight rows side by side for one row, four by up to four rows for more.
 #[test]
 fn q8_0_kernel_rounds_every_logit_as_ggml_does() {
-    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    let built = vnni();
     rounds_every_logit_as_ggml_does(OpKernel::Q8_0Rows, built);
 }
 
@@ -260,7 +264,7 @@ fn drafter_ops_leave_every_target_logit_as_ggml_gives_it() {
 /// `kernel`, built for AVX512-VNNI CPUs, is on exactly there and leaves the drafter's lattices as
 /// ggml's kernel gives them.
 fn vnni_kernel_gives_the_drafter_the_same_lattices(kernel: OpKernel) {
-    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    let built = vnni();
     dflash2::llama::install_kernels();
     assert_eq!(kernel.is_on(), built, "{kernel:?} must be on exactly where it is built");
     if built {
@@ -292,7 +296,7 @@ fn q8_0_attention_gives_the_drafter_the_same_lattices() {
 fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels();
-    let vnni = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    let has_vnni = vnni();
     let needs_vnni = |k: OpKernel| !matches!(k, OpKernel::DrafterOps | OpKernel::DrafterConv);
     for kernel in [
         OpKernel::DrafterConv,
@@ -309,11 +313,11 @@ fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
                 match kernel.differences(seed, threads).expect("these kernels have random checks") {
                     // the drafter's integer products: outputs off their own scheme or beyond its bound
                     Ok(differing) => assert_eq!(differing, 0, "{kernel:?}, seed {seed}, {threads} threads: outputs differ"),
-                    Err(e) => assert!(needs_vnni(kernel) && !vnni, "{kernel:?}: {e}"),
+                    Err(e) => assert!(needs_vnni(kernel) && !has_vnni, "{kernel:?}: {e}"),
                 }
             }
         }
-        assert!(kernel.is_on() || (needs_vnni(kernel) && !vnni), "{kernel:?} is left on");
+        assert!(kernel.is_on() || (needs_vnni(kernel) && !has_vnni), "{kernel:?} is left on");
     }
     assert!(OpKernel::F16Attention.differences(1, 1).is_none(), "checked on real models only");
 }
@@ -326,7 +330,7 @@ fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
 /// rounding reorders). What that does to acceptance on real text: BENCHMARKS.md (q).
 #[test]
 fn drafter_rows_keep_the_drafters_candidates() {
-    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    let built = vnni();
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels();
     assert_eq!(OpKernel::DrafterRows.is_on(), built, "on exactly where it is built");
@@ -364,7 +368,7 @@ fn drafter_rows_keep_the_drafters_candidates() {
 fn drafter_rows_leave_every_target_logit_as_ggml_gives_it() {
     use dflash2::draft::drafter::Drafter;
     use dflash2::llama::{CacheType, Context, ContextParams};
-    let built = dflash2::llama::system_info().contains("AVX512_VNNI = 1");
+    let built = vnni();
     let drafter = Arc::new(Model::load(&common::shipped_drafter(), &ModelParams::default()).unwrap());
     let smollm2 = Arc::new(Model::load(&common::real_model(common::SMOLLM2), &ModelParams::default()).unwrap());
     let tctx = Context::new(smollm2, &ContextParams { n_ctx: 512, ..ContextParams::default() }, None).unwrap();
