@@ -1,5 +1,6 @@
-// Registration of dflash2's op kernels (drafter_ops.cpp, f16_attention.cpp, q8_0_attention.cpp,
-// quant_rows.cpp) with ggml's CPU backend.
+// Registration of dflash2's op kernels (drafter_conv.cpp, drafter_ops.cpp, drafter_rows.cpp,
+// f16_attention.cpp, q8_0_attention.cpp, quant_rows.cpp) with ggml's CPU backend, and the inputs
+// their products' random checks draw.
 
 #include "cpu_extra.h"
 
