@@ -31,11 +31,11 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 /// whether this build has the kernel (the CPU features it needs).
 fn rounds_every_logit_as_ggml_does(kernel: OpKernel, built: bool) {
     let targets = [common::real_model(common::SMOLLM2), common::real_model(common::QWEN_05B)];
-    rounds_every_logit_of_as_ggml_does(kernel, built, &targets, |_| ());
+    rounds_every_logit_of_targets_as_ggml_does(kernel, built, &targets);
 }
 
-/// The same on `targets`; `loaded` looks at each target model as loaded.
-fn rounds_every_logit_of_as_ggml_does(kernel: OpKernel, built: bool, targets: &[std::path::PathBuf], loaded: impl Fn(&Model)) {
+/// The same on `targets`, each loaded once.
+fn rounds_every_logit_of_targets_as_ggml_does(kernel: OpKernel, built: bool, targets: &[std::path::PathBuf]) {
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels(); // as every target load does
     assert_eq!(kernel.is_on(), built, "{kernel:?} must be on exactly where it is built");
@@ -43,7 +43,6 @@ fn rounds_every_logit_of_as_ggml_does(kernel: OpKernel, built: bool, targets: &[
         let file = target.display();
         let params = common::engine_params(2, dflash2::llama::CacheType::F16);
         let (model, _) = load_target(target, 999, Repack::Auto, &params).unwrap();
-        loaded(&model);
         let text = "def fizzbuzz(n):\n    \"\"\"Return the FizzBuzz sequence up to n.\"\"\"\n".repeat(20);
         let tokens = model.tokenize(&text, true, false).unwrap();
         assert!(tokens.len() > 300, "the context must pass 256 cells");
@@ -106,10 +105,9 @@ fn q4_0x8_kernel_rounds_every_logit_as_ggml_does() {
     }
     let repacked_here = built && !dflash2::llama::system_info().contains("AMX_INT8 = 1"); // AMX CPUs hold Q4_0 in AMX tiles instead
     let before = OpKernel::Q4_0x8Rows.taken().unwrap_or(0);
-    rounds_every_logit_of_as_ggml_does(OpKernel::Q4_0x8Rows, built, &[q4_0], |_| {
-        let taken = OpKernel::Q4_0x8Rows.taken().unwrap_or(0) - before;
-        assert_eq!(taken, if repacked_here { 30 * 7 } else { 0 }, "the kernel sits in front of {taken} weights");
-    });
+    rounds_every_logit_of_targets_as_ggml_does(OpKernel::Q4_0x8Rows, built, &[q4_0]);
+    let taken = OpKernel::Q4_0x8Rows.taken().unwrap_or(0) - before;
+    assert_eq!(taken, if repacked_here { 30 * 7 } else { 0 }, "the kernel sits in front of {taken} weights");
 }
 
 /// SmolLM2's output head (its tied token embeddings) and Qwen2.5-Coder's head and value projections

@@ -157,7 +157,8 @@ pub enum OpKernel {
 impl OpKernel {
     /// In the order ggml asks them whether they take an op: the drafter's convolutions before the
     /// drafter ops that take some of their ops, the drafter's integer products before the Q8_0
-    /// products that would take the same weights.
+    /// products that would take the same weights. ([`OpKernel::Q4_0x8Rows`] is not asked: it sits
+    /// in front of the traits ggml keeps with each repacked weight.)
     pub const ALL: [OpKernel; 9] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
