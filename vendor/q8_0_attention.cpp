@@ -82,7 +82,7 @@ void attend(const query_block * q, int64_t blocks, const ggml_fp16_t * mask, int
         const block_q8_0 * kc = (const block_q8_0 *) (k_base + ic * k_stride);
         __m256 dot = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
-            dot = dflash2::q8_0_dot_step(dot, dflash2::unsigned_q8_0(kc[b]), _cvtsh_ss(kc[b].d), q[b]);
+            dot = dflash2::q8_0_dot_step(dot, dflash2::unsigned_q8_0(kc[b]), _mm256_set1_ps(_cvtsh_ss(kc[b].d)), q[b]);
         }
         // ggml rounds the scaled score before adding the mask (no fused multiply-add)
         float s = dflash2::hsum_float_8(dot) * scale;

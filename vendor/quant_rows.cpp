@@ -62,6 +62,7 @@ constexpr int PREFETCH_BLOCKS = 32;
 // operands; `with_min`: a type whose blocks add a minimum times the activations' block sum (`sums`).
 template <int shift> struct q8_0_activations {
     static constexpr bool with_min = false;
+    static constexpr bool offset = true;  // unsigned weights counted from -2^shift times the lane sums
     static void operands(const float * x, int64_t k, void * scratch, q8_0_operand * out, float *) {
         dflash2::q8_0_operands<shift>(x, k, static_cast<block_q8_0 *>(scratch), out);
     }
@@ -96,6 +97,7 @@ struct q4_1 {
     using block = block_q4_1;
     static constexpr ggml_type type = GGML_TYPE_Q4_1;
     static constexpr bool with_min = true;
+    static constexpr bool offset = false;
     static __m256i unsigned_weights(const block & b) {
         const __m128i bytes = _mm_loadu_si128((const __m128i *) b.qs);
         const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
@@ -104,8 +106,7 @@ struct q4_1 {
     static void operands(const float * x, int64_t k, void * scratch, q8_0_operand * out, float * sums) {
         auto * quants = static_cast<block_q8_1 *>(scratch);
         quantize_row_q8_1(x, quants, k);
-        for (int64_t b = 0; b < k / QK; ++b) {
-            std::memset(out[b].neg_sums, 0, sizeof(out[b].neg_sums));
+        for (int64_t b = 0; b < k / QK; ++b) {  // no lane sums: the product starts from zero (offset)
             std::memcpy(out[b].qs, quants[b].qs, QK);
             out[b].d = _cvtsh_ss(quants[b].d);
             sums[b] = _cvtsh_ss(quants[b].s);
@@ -148,8 +149,8 @@ inline void tile(int64_t blocks, const char * x, size_t stride, const q8_0_opera
                 _mm_prefetch((const char *) (&b + PREFETCH_BLOCKS), _MM_HINT_T0);
             }
             const __m256i w = W::unsigned_weights(b);
-            const float xd = _cvtsh_ss(b.d);
-            for (int g = 0; g < G; ++g) acc[r][g] = dflash2::q8_0_dot_step(acc[r][g], w, xd, act[g][ib]);
+            const __m256 xd = _mm256_set1_ps(_cvtsh_ss(b.d));
+            for (int g = 0; g < G; ++g) acc[r][g] = dflash2::q8_0_dot_step<W::offset>(acc[r][g], w, xd, act[g][ib]);
             if constexpr (W::with_min) {
                 mins[r] = _mm_fmadd_ps(_mm_set1_ps(_cvtsh_ss(b.m)), block_sums, mins[r]);
             }
