@@ -208,8 +208,6 @@ fn quantize_refuses_a_silent_requantize_and_writes_a_loadable_model() {
 
     let bad_type = dflash2(&["quantize", &target, out.to_str().unwrap(), "--type", "q3_zz"]);
     assert!(String::from_utf8_lossy(&bad_type.stderr).contains("--type q3_zz"));
-    let drafter = dflash2(&["quantize", &path("drafter-dflash2.gguf"), out.to_str().unwrap(), "--type", "q8_0"]);
-    assert!(String::from_utf8_lossy(&drafter.stderr).contains("DFlash drafter"));
 
     let done = dflash2(&["quantize", &target, out.to_str().unwrap(), "--type", "q4_0", "--allow-requantize"]);
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
@@ -220,6 +218,32 @@ fn quantize_refuses_a_silent_requantize_and_writes_a_loadable_model() {
     assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
     let g: serde_json::Value = serde_json::from_slice(&g.stdout).unwrap();
     assert_eq!(g["n_generated"], 8);
+}
+
+/// A drafter's weights decide how often its drafts are taken, never the output: quantized by
+/// `dflash2 quantize`, it still pairs with its target, drafts, and the text stays plain decoding's;
+/// requantizing it warns about acceptance, not about the text.
+#[test]
+fn quantize_writes_a_drafter_that_pairs_and_keeps_the_output() {
+    let dir = common::scratch_dir("cli-quantize-drafter");
+    let (out, again) = (dir.join("drafter.q4_0.gguf"), dir.join("drafter.q8_0.gguf"));
+    let (out_s, again_s) = (out.to_str().unwrap(), again.to_str().unwrap());
+    let done = dflash2(&["quantize", &path("drafter-dflash2.gguf"), out_s, "--type", "q4_0"]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let info = dflash2(&["inspect", out_s, "--all"]);
+    assert!(String::from_utf8_lossy(&info.stdout).contains(" Q4_0 "), "no Q4_0 tensor in the output");
+    let paired = dflash2(&["inspect", out_s, "--target", &path("target.gguf")]);
+    assert!(paired.status.success(), "{}", String::from_utf8_lossy(&paired.stderr));
+
+    let spec = generate_json(&["-d", out_s, "--block", "8", "--no-lookup"]);
+    let plain = generate_json(&["--select", "none"]);
+    assert!(spec["from_drafter"]["drafted"].as_u64().unwrap() > 0, "the quantized drafter drafted nothing: {spec}");
+    assert_eq!(spec["tokens"], plain["tokens"]);
+
+    let requantized = dflash2(&["quantize", out_s, again_s, "--type", "q8_0", "--allow-requantize"]);
+    assert!(requantized.status.success(), "{}", String::from_utf8_lossy(&requantized.stderr));
+    let warning = String::from_utf8_lossy(&requantized.stderr);
+    assert!(warning.contains("warning: requantizing") && warning.contains("drafts may be taken less often"), "{warning}");
 }
 
 /// `inspect --check` probes where it is told: after `--context` tokens, with the V cache type and
