@@ -39,7 +39,8 @@ inline float hsum_float_8(const __m256 x) {
 // A q8_0 block of activations (or queries) as ggml's AVX2 dot products meet it, laid out for weights
 // made unsigned, w + 2^shift (Q5_0: 4, Q8_0: 7): ggml's quants, its scale widened to f32, and
 // -2^shift times the sums of its 8 lanes of 4 quants, from which one unsigned-by-signed product
-// counts the exact integer lane sums of ggml's signed one.
+// counts the exact integer lane sums of ggml's signed one. (Q4_1's q8_1 activations fill only the
+// quants and the scale: its weights are unsigned in ggml's product too, which starts from zero.)
 struct q8_0_operand {
     int32_t neg_sums[8];
     int8_t qs[32];

@@ -273,6 +273,16 @@ template <class W> int64_t differences(dflash2::op_kernel<rows_traits<W>> & kern
     return differing;
 }
 
+// The same from a seed, for the C entry points: -3 on any error (no exception crosses them).
+template <class W> int64_t seeded_differences(dflash2::op_kernel<rows_traits<W>> & kernel, uint32_t seed, int n_threads) {
+    try {
+        std::mt19937 rng(seed);
+        return differences(kernel, rng, n_threads);
+    } catch (...) {
+        return -3;
+    }
+}
+
 }  // namespace
 #endif
 
@@ -305,12 +315,7 @@ extern "C" int32_t dflash2_set_q4_1_rows(bool on) {
 
 extern "C" int64_t dflash2_q4_1_rows_differences(uint32_t seed, int32_t n_threads) {
 #if DFLASH2_QUANT_ROWS
-    try {
-        std::mt19937 rng(seed);
-        return differences(q4_1_kernel, rng, n_threads);
-    } catch (...) {
-        return -3;
-    }
+    return seeded_differences(q4_1_kernel, seed, n_threads);
 #else
     (void) seed, (void) n_threads;
     return -1;
@@ -319,12 +324,7 @@ extern "C" int64_t dflash2_q4_1_rows_differences(uint32_t seed, int32_t n_thread
 
 extern "C" int64_t dflash2_q5_0_rows_differences(uint32_t seed, int32_t n_threads) {
 #if DFLASH2_QUANT_ROWS
-    try {
-        std::mt19937 rng(seed);
-        return differences(q5_0_kernel, rng, n_threads);
-    } catch (...) {
-        return -3;
-    }
+    return seeded_differences(q5_0_kernel, seed, n_threads);
 #else
     (void) seed, (void) n_threads;
     return -1;
@@ -333,12 +333,7 @@ extern "C" int64_t dflash2_q5_0_rows_differences(uint32_t seed, int32_t n_thread
 
 extern "C" int64_t dflash2_q8_0_rows_differences(uint32_t seed, int32_t n_threads) {
 #if DFLASH2_QUANT_ROWS
-    try {
-        std::mt19937 rng(seed);
-        return differences(q8_0_kernel, rng, n_threads);
-    } catch (...) {
-        return -3;
-    }
+    return seeded_differences(q8_0_kernel, seed, n_threads);
 #else
     (void) seed, (void) n_threads;
     return -1;
