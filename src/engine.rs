@@ -257,6 +257,9 @@ pub struct Stats {
     pub near_ties: usize,
     /// Drafter calls (a drafter decode may serve several slots at once).
     pub n_draft_calls: usize,
+    /// Block positions those calls drafted (under `--block auto`, as deep as the verifies
+    /// have lately taken the drafter's tokens in).
+    pub n_draft_positions: usize,
     /// Accepted drafts the drafter predicted (sum over verified drafts of the expected
     /// accepted length from its transition probabilities): calibration against
     /// `n_draft_accepted`.
@@ -660,6 +663,9 @@ impl Engine {
         for p in plans.iter_mut() {
             self.select(p, &mut *runs[p.run], trees);
             constrain(p, runs[p.run]);
+            if runs[p.run].opts.adaptive {
+                self.record_used_depth(p, runs[p.run].opts.block);
+            }
         }
         self.fill_verify_batch(&mut plans)?;
         let t2 = Instant::now();
@@ -786,6 +792,7 @@ impl Engine {
             p.tree = DraftTree::chain(&tokens);
             p.gains = vec![1.0; tokens.len()];
             runs[p.run].stats.n_draft_calls += 1;
+            runs[p.run].stats.n_draft_positions += p.max_draft;
         }
         let drafting: Vec<usize> = (0..plans.len())
             .filter(|&i| plans[i].use_drafter && runs[plans[i].run].opts.select != SelectMode::Upstream)
@@ -795,11 +802,14 @@ impl Engine {
         }
         let blocks: Vec<(Token, usize, i32)> =
             drafting.iter().map(|&i| (plans[i].last, plans[i].pos0, plans[i].slot as i32)).collect();
-        let n_block = drafting.iter().map(|&i| plans[i].max_draft).max().unwrap_or(0) + 1;
+        // An adaptive run's block is as deep as its verifies have lately taken drafts in.
+        let depth = |p: &Plan, run: &Run| if run.opts.adaptive { self.cost.draft_depth(p.max_draft) } else { p.max_draft };
+        let n_block = drafting.iter().map(|&i| depth(&plans[i], runs[plans[i].run])).max().unwrap_or(0) + 1;
         let drafter = self.drafter.as_mut().expect("speculative runs need a drafter");
         let lattices = drafter.draft(&blocks, n_block)?;
         for (&i, l) in drafting.iter().zip(lattices) {
             runs[plans[i].run].stats.repaired_lattices += usize::from(l.repaired > 0);
+            runs[plans[i].run].stats.n_draft_positions += l.n_pos;
             let n = plans[i].max_draft.min(l.n_pos);
             plans[i].lattice = Some(l.truncated(n));
         }
@@ -818,6 +828,20 @@ impl Engine {
         let proposal = slot.lookup.propose(run.opts.lookup_ngram, max_len);
         run.stats.from_lookup.ms += ms_since(t);
         proposal
+    }
+
+    /// Tell the cost model how deep this cycle's verify takes the drafter's block in (an
+    /// adaptive run's: a fixed block is verified whole). Not told: a look-up draft chosen
+    /// over the drafter's, and a block taken whole that the run's end or context cut short.
+    fn record_used_depth(&mut self, p: &Plan, block: usize) {
+        let Some(lattice) = &p.lattice else { return };
+        let used = p.tree.nodes.iter().filter(|n| n.origin.from_drafter()).map(|n| n.depth).max();
+        let cut_short = lattice.n_pos < self.cost.draft_depth(block.saturating_sub(1));
+        let took_whole = used.is_some_and(|u| u >= lattice.n_pos);
+        if (used.is_none() && p.lookup.is_some()) || (took_whole && cut_short) {
+            return;
+        }
+        self.cost.record_used_depth(lattice.n_pos, used.unwrap_or(0));
     }
 
     /// Pick the draft of one plan from its sources (the drafter's lattice, the look-up's

@@ -37,8 +37,19 @@ fn json_output_has_the_promised_fields_and_matches_plain_decoding() {
     let drafter = path("drafter-dflash2.gguf");
     let spec = generate_json(&["-d", &drafter, "--block", "8"]);
     let plain = generate_json(&["--select", "none"]);
-    for key in ["text", "tokens", "n_generated", "tau", "cycles", "tokens_per_second", "draft_ms", "verify_ms", "host_ms"]
-    {
+    for key in [
+        "text",
+        "tokens",
+        "n_generated",
+        "tau",
+        "cycles",
+        "tokens_per_second",
+        "n_draft_calls",
+        "n_draft_positions",
+        "draft_ms",
+        "verify_ms",
+        "host_ms",
+    ] {
         assert!(spec.get(key).is_some(), "missing {key} in {spec}");
     }
     assert_eq!(spec["tokens"], plain["tokens"]);
@@ -46,6 +57,8 @@ fn json_output_has_the_promised_fields_and_matches_plain_decoding() {
     assert_eq!(spec["n_generated"], 24);
     assert!(spec["tau"].as_f64().unwrap() >= 1.0);
     assert!(spec["cycles"].as_u64().unwrap() > 0);
+    let (calls, positions) = (spec["n_draft_calls"].as_u64().unwrap(), spec["n_draft_positions"].as_u64().unwrap());
+    assert!(calls > 0 && positions >= calls && positions <= 7 * calls, "{calls} calls drafted {positions} positions at block 8");
 }
 
 #[test]

@@ -130,6 +130,36 @@ fn qwen2_coder_speculative_equals_plain() {
     check_target(common::QWEN_05B, None, &fixed_prompts(), 24, &[(SelectMode::Greedy, 4), (SelectMode::BestPath, 4), (SelectMode::Tree, 4)], 8, CacheTypes::default());
 }
 
+/// Under `--block auto` a drafter whose drafts are not verified (a random one: after its
+/// first cycle its calibrated acceptance is nil, and on a CPU every verified row costs) is off
+/// and only probed, and from its fourth call on it is asked for the shallowest block (4)
+/// instead of the whole 16. The output stays plain decoding's. (How the block deepens again
+/// when verifies take it whole: `draft::cost`'s unit tests.)
+#[test]
+fn smollm2_probes_of_a_drafter_that_is_not_verified_draft_the_shallowest_block() {
+    let target_path = common::real_model(common::SMOLLM2);
+    let dir = common::scratch_dir("real-adaptive-depth");
+    let drafter_path = dflash2::gguf::synth::synth_for_target(&target_path, &dir, 0).expect("synth --target").path;
+    let mut cfg = EngineConfig::new(target_path, Some(drafter_path));
+    cfg.n_ctx = 1024;
+    let (target, drafter) = Engine::load_models(&cfg).unwrap();
+    let prompt = chat_prompt(&target, PROMPTS[0]);
+    let n_predict = 128;
+    let plain_opts = GenerateOptions { n_predict, select: SelectMode::None, ..Default::default() };
+    let baseline = Engine::from_models(target.clone(), None, &cfg).unwrap().generate(&prompt, &plain_opts, |_| true).unwrap();
+    assert!(baseline.tokens.len() >= 100, "the answer ended early: too few cycles to probe the drafter");
+    let opts = GenerateOptions { n_predict, select: SelectMode::Greedy, block: 16, adaptive: true, ..Default::default() };
+    let g = Engine::from_models(target.clone(), drafter, &cfg).unwrap().generate(&prompt, &opts, |_| true).unwrap();
+    assert_eq!(g.tokens, baseline.tokens, "random drafter, --block auto: output differs from plain
+plain: {}
+spec:  {}", baseline.text, g.text);
+    let (calls, positions) = (g.stats.n_draft_calls, g.stats.n_draft_positions);
+    // Probes at cycles 0, 5, 14, 31 and 64 at least: the first three up to 15 positions deep
+    // (nothing measured, then a verify that may have taken the first block whole), the rest 3.
+    assert!(calls >= 5, "only {calls} drafter calls in {n_predict} tokens");
+    assert!(positions <= 45 + 3 * (calls - 3), "{calls} probes drafted {positions} positions: not the shallowest block");
+}
+
 /// Greedy tau (block 16, 64 tokens, 10 held-apart prompts) below which the shipped drafter
 /// cannot be the trained one (a random drafter gets 1.0; the trained one measured 1.73 on 16 such
 /// prompts at 128 tokens, BENCHMARKS.md).

@@ -67,6 +67,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             "n_drafted": s.n_drafted,
             "n_draft_accepted": s.n_draft_accepted,
             "accepted_hist": s.accepted_hist,
+            "n_draft_calls": s.n_draft_calls,
+            "n_draft_positions": s.n_draft_positions,
             "from_drafter": s.from_drafter,
             "from_lookup": s.from_lookup,
             "tokens_per_second": s.tokens_per_second(),

@@ -33,6 +33,13 @@ impl Ema {
 const MAX_PROBE_INTERVAL: usize = 64;
 /// Probes of a drafter that does not pay may cost this share of plain decoding, at most.
 const PROBE_BUDGET: f64 = 0.02;
+/// Shallowest block the drafter drafts when the length is adaptive: a block of 4 rows.
+/// Below it a call costs nearly the same (its weights are read whatever the rows).
+const MIN_DRAFT_DEPTH: usize = 3;
+/// Verifies whose depth sets the next block: two, so one short verify does not cut a block
+/// that is usually taken deep, yet a drafter off but probed now and then (its drafts no
+/// longer verified) is cut by its second probe.
+const USED_DEPTH_WINDOW: usize = 2;
 
 #[derive(Debug, Clone, Default)]
 pub struct CostModel {
@@ -45,6 +52,9 @@ pub struct CostModel {
     predicted: Vec<Ema>,
     /// Drafted tokens the target took per drafter call, lately.
     drafter_accepted: Ema,
+    /// Depth of the drafter's tokens the last verifies took in, newest last (a verify that
+    /// took the whole block counts twice its depth: it might have taken more).
+    used_depths: Vec<usize>,
     /// Realised speed of speculative cycles relative to plain decoding of the same
     /// number of sequences (above 1: drafting pays).
     spec_gain: Ema,
@@ -147,6 +157,26 @@ impl CostModel {
     /// first call: nothing is known to beat it).
     pub fn drafter_expected(&self) -> f64 {
         self.drafter_accepted.get().unwrap_or(f64::INFINITY)
+    }
+
+    /// How deep the drafter should draft, at most `max`: twice the deepest the last
+    /// verifies took its drafts in, at least [`MIN_DRAFT_DEPTH`]. A call's cost grows with
+    /// its rows (on a CPU a block of 16 costs twice a block of 4), so the block ends where
+    /// its tail would not be verified anyway; it deepens again as soon as a verify takes
+    /// it whole.
+    pub fn draft_depth(&self, max: usize) -> usize {
+        match self.used_depths.iter().max() {
+            None => max,
+            Some(&d) => (2 * d).max(MIN_DRAFT_DEPTH).min(max),
+        }
+    }
+
+    /// Record how deep a verify took in a drafter's block of `drafted` positions.
+    pub fn record_used_depth(&mut self, drafted: usize, used: usize) {
+        if self.used_depths.len() == USED_DEPTH_WINDOW {
+            self.used_depths.remove(0);
+        }
+        self.used_depths.push(if used >= drafted { 2 * drafted } else { used });
     }
 
     /// Record one verified draft: `path_probs` as predicted, `accepted` drafted tokens taken.
@@ -292,6 +322,25 @@ mod tests {
         // Each probe loses 20 ms = 2 steps: intervals grow to 2 / 0.02 = 100 steps, not the
         // 64 (at least) that the drafter call alone would give.
         assert!((30..=36).contains(&probes), "{probes} probes in 3000 steps");
+    }
+
+    #[test]
+    fn the_drafter_drafts_as_deep_as_verifies_take_it() {
+        let mut m = CostModel::default();
+        assert_eq!(m.draft_depth(15), 15, "nothing measured: the whole block");
+        m.record_used_depth(15, 6);
+        m.record_used_depth(15, 0);
+        assert_eq!(m.draft_depth(15), 12, "one short verify does not cut the block to nothing");
+        m.record_used_depth(12, 0);
+        assert_eq!(m.draft_depth(15), MIN_DRAFT_DEPTH, "drafts no longer verified: the shallowest block");
+        assert_eq!(m.draft_depth(2), 2, "never beyond the run's own block");
+        m.record_used_depth(3, 3);
+        assert_eq!(m.draft_depth(15), 12, "a verify that took the whole block: twice as deep");
+        m.record_used_depth(12, 12);
+        assert_eq!(m.draft_depth(15), 15);
+        m.record_used_depth(15, 4);
+        m.record_used_depth(15, 4);
+        assert_eq!(m.draft_depth(15), 8, "verifies taking 4 tokens: a block twice as deep");
     }
 
     #[test]
