@@ -37,8 +37,8 @@ const PROBE_BUDGET: f64 = 0.02;
 /// Below it a call costs nearly the same (its weights are read whatever the rows).
 const MIN_DRAFT_DEPTH: usize = 3;
 /// Verifies whose depth sets the next block: two, so one short verify does not cut a block
-/// that is usually taken deep, yet a drafter off but probed now and then (its drafts no
-/// longer verified) is cut by its second probe.
+/// that is usually taken deep, yet a drafter off but probed now and then is cut after two
+/// probes whose drafts were not verified.
 const USED_DEPTH_WINDOW: usize = 2;
 
 #[derive(Debug, Clone, Default)]
