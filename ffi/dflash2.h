@@ -312,7 +312,8 @@ typedef struct dflash2_spec_abi {
 typedef struct dflash2_spec_params {
     uint32_t block_size;   /* tokens per cycle with the anchor: 0 (default) = adaptive, drafts as long
                               as the reported verify times say pays (nothing while drafting does not
-                              pay; without reports, the drafter's whole block); else 2..trained block */
+                              pay; without reports, the drafter's whole block; the drafter drafts
+                              twice as deep as recent drafts were cut to); else 2..trained block */
     int32_t select;        /* DFLASH2_SELECT_GREEDY (default), _BEST_PATH or _TREE (dflash2_spec_draft_tree) */
     uint32_t tree_budget;  /* nodes of a token tree; default 32 */
     float temperature;     /* 0 (default): draft the most likely path. > 0: draw drafts from the drafter's

@@ -831,17 +831,15 @@ impl Engine {
     }
 
     /// Tell the cost model how deep this cycle's verify takes the drafter's block in (an
-    /// adaptive run's: a fixed block is verified whole). Not told: a look-up draft chosen
-    /// over the drafter's, and a block taken whole that the run's end or context cut short.
+    /// adaptive run's: a fixed block is verified whole). A look-up draft chosen over the
+    /// drafter's says nothing about the drafter's depth.
     fn record_used_depth(&mut self, p: &Plan, block: usize) {
         let Some(lattice) = &p.lattice else { return };
         let used = p.tree.nodes.iter().filter(|n| n.origin.from_drafter()).map(|n| n.depth).max();
-        let cut_short = lattice.n_pos < self.cost.draft_depth(block.saturating_sub(1));
-        let took_whole = used.is_some_and(|u| u >= lattice.n_pos);
-        if (used.is_none() && p.lookup.is_some()) || (took_whole && cut_short) {
+        if used.is_none() && p.lookup.is_some() {
             return;
         }
-        self.cost.record_used_depth(lattice.n_pos, used.unwrap_or(0));
+        self.cost.record_used_depth(lattice.n_pos, block.saturating_sub(1), used.unwrap_or(0));
     }
 
     /// Pick the draft of one plan from its sources (the drafter's lattice, the look-up's

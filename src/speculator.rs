@@ -373,12 +373,16 @@ impl Speculator {
         if max_draft == 0 || (adaptive && !self.cost.should_draft()) {
             return Ok(DraftTree::default());
         }
-        let lattice = self.drafter.draft(&[(last, pos, seq)], max_draft + 1)?.pop().expect("one block, one lattice");
+        // An adaptive block is as deep as the verifies have lately taken drafts in.
+        let depth = if adaptive { self.cost.draft_depth(max_draft) } else { max_draft };
+        let lattice = self.drafter.draft(&[(last, pos, seq)], depth + 1)?.pop().expect("one block, one lattice");
         let lattice = lattice.truncated(max_draft);
         let walk = self.opts.select.walk(true, self.opts.tree_budget);
         let mut tree = select::draft(&lattice, walk, self.opts.temperature, &mut self.rng);
         if adaptive {
             tree.nodes.truncate(self.cost.choose_len(&tree.gains(), &tree));
+            let used = tree.nodes.iter().map(|n| n.depth).max().unwrap_or(0);
+            self.cost.record_used_depth(lattice.n_pos, block - 1, used);
         }
         if !tree.is_chain() {
             tree = tree.depth_first();

@@ -150,9 +150,7 @@ fn smollm2_probes_of_a_drafter_that_is_not_verified_draft_the_shallowest_block()
     assert!(baseline.tokens.len() >= 100, "the answer ended early: too few cycles to probe the drafter");
     let opts = GenerateOptions { n_predict, select: SelectMode::Greedy, block: 16, adaptive: true, ..Default::default() };
     let g = Engine::from_models(target.clone(), drafter, &cfg).unwrap().generate(&prompt, &opts, |_| true).unwrap();
-    assert_eq!(g.tokens, baseline.tokens, "random drafter, --block auto: output differs from plain
-plain: {}
-spec:  {}", baseline.text, g.text);
+    assert_eq!(g.tokens, baseline.tokens, "random drafter, --block auto: output differs from plain\nplain: {}\nspec:  {}", baseline.text, g.text);
     let (calls, positions) = (g.stats.n_draft_calls, g.stats.n_draft_positions);
     // Probes at cycles 0, 5, 14, 31 and 64 at least: the first three up to 15 positions deep
     // (nothing measured, then a verify that may have taken the first block whole), the rest 3.

@@ -171,8 +171,13 @@ impl CostModel {
         }
     }
 
-    /// Record how deep a verify took in a drafter's block of `drafted` positions.
-    pub fn record_used_depth(&mut self, drafted: usize, used: usize) {
+    /// Record how deep a verify takes in a drafter's block of `drafted` positions, drafted
+    /// for a run whose block allows `max`. A block taken whole that was shallower than
+    /// [`CostModel::draft_depth`] wanted (the run's end or its context cut it) says nothing.
+    pub fn record_used_depth(&mut self, drafted: usize, max: usize, used: usize) {
+        if used >= drafted && drafted < self.draft_depth(max) {
+            return;
+        }
         if self.used_depths.len() == USED_DEPTH_WINDOW {
             self.used_depths.remove(0);
         }
@@ -328,19 +333,21 @@ mod tests {
     fn the_drafter_drafts_as_deep_as_verifies_take_it() {
         let mut m = CostModel::default();
         assert_eq!(m.draft_depth(15), 15, "nothing measured: the whole block");
-        m.record_used_depth(15, 6);
-        m.record_used_depth(15, 0);
+        m.record_used_depth(15, 15, 6);
+        m.record_used_depth(15, 15, 0);
         assert_eq!(m.draft_depth(15), 12, "one short verify does not cut the block to nothing");
-        m.record_used_depth(12, 0);
+        m.record_used_depth(12, 15, 0);
         assert_eq!(m.draft_depth(15), MIN_DRAFT_DEPTH, "drafts no longer verified: the shallowest block");
         assert_eq!(m.draft_depth(2), 2, "never beyond the run's own block");
-        m.record_used_depth(3, 3);
+        m.record_used_depth(3, 15, 3);
         assert_eq!(m.draft_depth(15), 12, "a verify that took the whole block: twice as deep");
-        m.record_used_depth(12, 12);
+        m.record_used_depth(12, 15, 12);
         assert_eq!(m.draft_depth(15), 15);
-        m.record_used_depth(15, 4);
-        m.record_used_depth(15, 4);
+        m.record_used_depth(15, 15, 4);
+        m.record_used_depth(15, 15, 4);
         assert_eq!(m.draft_depth(15), 8, "verifies taking 4 tokens: a block twice as deep");
+        m.record_used_depth(5, 15, 5);
+        assert_eq!(m.draft_depth(15), 8, "a block the run's end cut short, taken whole: nothing learned");
     }
 
     #[test]
