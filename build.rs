@@ -10,7 +10,7 @@ use std::env;
 use std::fs;
 use std::path::PathBuf;
 
-/// dflash2's own CPU kernels, plugged into ggml's CPU backend, and their shared header.
+/// dflash2's own CPU kernels, plugged into ggml's CPU backend, and their shared headers.
 const KERNELS: &[&str] = &[
     "vendor/amx_few_rows.cpp",
     "vendor/cpu_extra.cpp",
@@ -18,11 +18,13 @@ const KERNELS: &[&str] = &[
     "vendor/drafter_ops.cpp",
     "vendor/drafter_rows.cpp",
     "vendor/f16_attention.cpp",
+    "vendor/kquant_rows.cpp",
     "vendor/q4_0x8_rows.cpp",
+    "vendor/q4_kx8_rows.cpp",
     "vendor/q8_0_attention.cpp",
     "vendor/quant_rows.cpp",
 ];
-const KERNEL_HEADER: &str = "vendor/cpu_extra.h";
+const KERNEL_HEADERS: &[&str] = &["vendor/cpu_extra.h", "vendor/repacked.h"];
 
 fn main() {
     let root = PathBuf::from(
@@ -64,7 +66,7 @@ fn main() {
     // A probe cached by an earlier build of these kernels must not stand for this one.
     let source: Vec<u8> = KERNELS
         .iter()
-        .chain([&KERNEL_HEADER])
+        .chain(KERNEL_HEADERS)
         .flat_map(|f| fs::read(f).unwrap_or_else(|e| panic!("cannot read {f}: {e}")))
         .collect();
     let hash = source.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3));
@@ -89,7 +91,7 @@ fn main() {
     println!("cargo:rustc-env=DFLASH2_LLAMA_INCLUDE={}", include.display());
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.cpp");
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.h");
-    for file in KERNELS.iter().chain([&KERNEL_HEADER]) {
+    for file in KERNELS.iter().chain(KERNEL_HEADERS) {
         println!("cargo:rerun-if-changed={file}");
     }
     println!("cargo:rerun-if-changed=build.rs");

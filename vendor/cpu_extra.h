@@ -99,6 +99,32 @@ template <class Switch> int64_t differences(ggml_context * ctx, ggml_tensor * ou
     return differing;
 }
 
+// Computes each of `rows` (products of one activation row each, whose graphs live in `ctx`) with a
+// kernel switched off (`turn(false)`: ggml's), and `batch` (the same rows in one product) with it
+// on, and counts the elements of `batch` whose bytes differ from its row's: for kernels that must
+// give a batch the bits ggml gives each row alone, where ggml's own batch kernel rounds otherwise.
+// Leaves the kernel on.
+template <class Switch>
+int64_t differences_by_row(ggml_context * ctx, ggml_tensor * batch, const std::vector<ggml_tensor *> & rows, int n_threads, Switch turn) {
+    ggml_cgraph * singles = ggml_new_graph(ctx);
+    for (ggml_tensor * row : rows) ggml_build_forward_expand(singles, row);
+    turn(false);
+    ggml_graph_compute_with_ctx(ctx, singles, n_threads);
+    ggml_cgraph * batched = ggml_new_graph(ctx);
+    ggml_build_forward_expand(batched, batch);
+    std::memset(batch->data, 0x7f, ggml_nbytes(batch));  // NaNs where an output is left unwritten
+    turn(true);
+    ggml_graph_compute_with_ctx(ctx, batched, n_threads);
+    int64_t differing = 0;
+    for (size_t i = 0; i < rows.size(); ++i) {
+        const char * ours = (const char *) batch->data + i * batch->nb[1];
+        for (int64_t j = 0; j < batch->ne[0]; ++j) {
+            differing += std::memcmp(ours + j * sizeof(float), (const char *) rows[i]->data + j * sizeof(float), sizeof(float)) != 0;
+        }
+    }
+    return differing;
+}
+
 // What the products' random checks multiply. Weights: n rows of `width` values uniform in (-2, 2),
 // one in 8 forty times larger (blocks dominated by one value), quantized by ggml into `data`; a
 // q8_0 weight also gets -128 at 16 places, a valid quant that ggml's quantizer never writes.

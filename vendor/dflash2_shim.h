@@ -61,6 +61,17 @@ int64_t         dflash2_q5_0_rows_differences(uint32_t seed, int32_t n_threads);
 int64_t         dflash2_q8_0_rows_differences(uint32_t seed, int32_t n_threads);
 int64_t         dflash2_q4_1_rows_differences(uint32_t seed, int32_t n_threads);
 
+/* ---- Q4_K, Q5_K and Q6_K weights that ggml keeps unrepacked (vendor/kquant_rows.cpp) ----
+ * Make ggml's CPU backend multiply such 2-D weights by f32 activations (any number of rows) with a
+ * kernel that rounds every output as ggml_vec_dot_<type>_q8_K does, each weight superblock unpacked
+ * once for up to 8 activation rows. One switch for the three types; process-wide, as above. Returns 1
+ * when on, 0 when off (or it failed to register), -1 where this build has no AVX512-VNNI. */
+int32_t         dflash2_set_kquant_rows(bool on);
+/* The count of outputs that differ from ggml's, over products of random weights of the three types
+ * by random activation rows (1-33 rows, widths 256-2304): 0 when they agree, -1 where not built, -3
+ * on an error. */
+int64_t         dflash2_kquant_rows_differences(uint32_t seed, int32_t n_threads);
+
 /* ---- Q4_0 weights repacked for AVX2 (vendor/q4_0x8_rows.cpp) ----
  * Puts a kernel in front of ggml's for model's Q4_0 weights that ggml repacked into 8-column runs
  * (block_q4_0x8): products of 2 or more f32 rows, every output rounded as ggml's single-row gemv
@@ -71,11 +82,28 @@ int32_t         dflash2_model_q4_0x8_rows(struct llama_model * model);
  * process computes. Returns 1 when on, 0 when off, -1 where not built. */
 int32_t         dflash2_set_q4_0x8_rows(bool on);
 /* Model weights the kernel was put in front of in this process (-1 where not built). */
-int64_t         dflash2_q4_0x8_rows_wrapped(void);
+int64_t         dflash2_q4_0x8_rows_fronted(void);
 /* The count of outputs that differ from ggml's, over random Q4_0 weights ggml repacked times random
  * activation rows (2-17 rows, 8-136 columns): 0 when they agree, -1 where not built, -2 where ggml
  * did not repack them so, -3 on an error. */
 int64_t         dflash2_q4_0x8_rows_differences(uint32_t seed, int32_t n_threads);
+
+/* ---- Q4_K weights repacked for AVX2 (vendor/q4_kx8_rows.cpp) ----
+ * Puts a kernel in front of ggml's for model's Q4_K weights that ggml repacked into 8-column runs
+ * (block_q4_Kx8): products of any number of f32 rows, every output rounded as ggml's single-row
+ * gemv (ggml_gemv_q4_K_8x8_q8_K) rounds it (ggml's gemm for 4 rows at a time rounds otherwise), each
+ * run's quants unpacked once for up to 8 rows. Returns how many weights it took (0: none so
+ * repacked), or -1 where this build has no AVX512-VNNI. */
+int32_t         dflash2_model_q4_kx8_rows(struct llama_model * model);
+/* Switches that kernel for the whole process (off: ggml's own); as above, only while nothing in the
+ * process computes. Returns 1 when on, 0 when off, -1 where not built. */
+int32_t         dflash2_set_q4_kx8_rows(bool on);
+/* Model weights the kernel was put in front of in this process (-1 where not built). */
+int64_t         dflash2_q4_kx8_rows_fronted(void);
+/* The count of outputs that differ from ggml's gemv of their row alone, over random Q4_K weights
+ * ggml repacked times random activation rows (1-33 rows, 8-136 columns): 0 when they agree, -1 where
+ * not built, -2 where ggml did not repack them so, -3 on an error. */
+int64_t         dflash2_q4_kx8_rows_differences(uint32_t seed, int32_t n_threads);
 
 /* ---- the DFlash drafter graph's small ops (vendor/drafter_ops.cpp) ----
  * Makes ggml's CPU backend run the fills of rows under 16 wide, the zero pads, the top-k over

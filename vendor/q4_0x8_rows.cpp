@@ -12,28 +12,22 @@
 // w + 8, by the signed activations, counted from -8 times the activations' sum), the same scale
 // product, the same chain of fused multiply-adds. What changes: 16 columns fill a 512-bit register,
 // one vpdpbusd takes 4 weights of each of them, and the weights of a block are unpacked once for up
-// to 8 activation rows. The hook swaps the tensor traits ggml keeps in `tensor->extra` of the repack
-// buffer's Q4_0 weights (as vendor/amx_few_rows.cpp does for AMX's); what the kernel does not take (a
-// single row: a plain step keeps ggml's own kernel) goes to ggml's traits.
+// to 8 activation rows. It sits in front of ggml's traits of the repack buffer's Q4_0 weights
+// (vendor/repacked.h); what the kernel does not take (a single row: a plain step keeps ggml's own
+// kernel) goes to ggml's traits.
 //
 // Built for AVX-512 CPUs with VNNI in the same `-march=native` build as llama.cpp; elsewhere
 // dflash2_set_q4_0x8_rows() reports that it is not built.
 
 #include "dflash2_shim.h"
-#include "cpu_extra.h"
-
-#include "ggml-backend.h"
-#include "llama-model.h"
+#include "repacked.h"
 
 #include <algorithm>
-#include <mutex>
 #include <random>
-#include <unordered_map>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define DFLASH2_Q4_0X8_ROWS 1
 #include "ggml-cpu/quants.h"  // quantize_row_q8_0 (ggml's quantizer for the activations)
-#include "ggml-cpu/repack.h"  // block_q4_0x8, the repack buffer type
 #include <immintrin.h>
 #else
 #define DFLASH2_Q4_0X8_ROWS 0
@@ -52,7 +46,7 @@ constexpr int PREFETCH_BLOCKS = 8;
 constexpr size_t MAX_WORK = size_t(64) << 20;
 
 std::atomic<bool> enabled{ false };
-std::atomic<int64_t> wrapped{ 0 };  // weights of models, for reports
+std::atomic<int64_t> fronted{ 0 };  // weights of models it sits in front of, for reports
 
 // A block of an activation row: ggml's q8_0 quants, its scale widened, -8 times the quants' sum.
 struct operand {
@@ -146,23 +140,22 @@ void tile(int R, int64_t blocks, const block_q4_0x8 * a, const block_q4_0x8 * b,
     }
 }
 
-// ggml's traits of a repacked Q4_0 weight, with this kernel in front for products of 2 or more rows.
-class rows_traits : public ggml::cpu::tensor_traits {
-  public:
-    explicit rows_traits(ggml::cpu::tensor_traits * ggml) : ggml(ggml) {}
+struct kernel {
+    static bool repacked(const ggml_tensor * t) { return t->type == GGML_TYPE_Q4_0 && t->ne[0] % QK == 0 && t->ne[1] % 8 == 0; }
 
-    bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
-        if (!takes(op)) {
-            return ggml->work_size(n_threads, op, size);
-        }
-        size = work_for(op->src[1]->ne[1], op->src[0]->ne[0] / QK);
-        return true;
+    // 2-D products of 2 or more f32 rows (fewer go to ggml: a plain step keeps its kernel) whose
+    // work fits the cap.
+    static bool takes(const ggml_tensor * op) {
+        const ggml_tensor * x = op->src[0];
+        const ggml_tensor * y = op->src[1];
+        return enabled.load(std::memory_order_relaxed) && op->op == GGML_OP_MUL_MAT && y->type == GGML_TYPE_F32 &&
+               op->type == GGML_TYPE_F32 && y->ne[1] >= 2 && x->ne[2] == 1 && x->ne[3] == 1 && y->ne[2] == 1 && y->ne[3] == 1 &&
+               y->nb[0] == sizeof(float) && op->nb[0] == sizeof(float) && work_for(y->ne[1], x->ne[0] / QK) <= MAX_WORK;
     }
 
-    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
-        if (params->use_ref || !takes(op)) {
-            return ggml->compute_forward(params, op);
-        }
+    static size_t work_size(const ggml_tensor * op) { return work_for(op->src[1]->ne[1], op->src[0]->ne[0] / QK); }
+
+    static void compute(ggml_compute_params * params, ggml_tensor * op) {
         const ggml_tensor * x = op->src[0];
         const ggml_tensor * y = op->src[1];
         const int64_t k = x->ne[0], blocks = k / QK, runs = x->ne[1] / 8, m = y->ne[1];
@@ -193,45 +186,8 @@ class rows_traits : public ggml::cpu::tensor_traits {
                 tile(R, blocks, a, b, act, out, alone ? 8 : 16);
             }
         }
-        return true;
     }
-
-  private:
-    // 2-D products of 2 or more f32 rows (fewer go to ggml: a plain step keeps its kernel) whose
-    // work fits the cap.
-    static bool takes(const ggml_tensor * op) {
-        const ggml_tensor * x = op->src[0];
-        const ggml_tensor * y = op->src[1];
-        return enabled.load(std::memory_order_relaxed) && op->op == GGML_OP_MUL_MAT && y->type == GGML_TYPE_F32 &&
-               op->type == GGML_TYPE_F32 && y->ne[1] >= 2 && x->ne[2] == 1 && x->ne[3] == 1 && y->ne[2] == 1 && y->ne[3] == 1 &&
-               y->nb[0] == sizeof(float) && op->nb[0] == sizeof(float) && work_for(y->ne[1], x->ne[0] / QK) <= MAX_WORK;
-    }
-
-    ggml::cpu::tensor_traits * ggml;
 };
-
-// Whether `t` is a Q4_0 weight that ggml repacked into block_q4_0x8 runs (what it does on AVX2
-// CPUs with a whole number of 8-column runs).
-bool repacked_q4_0x8(const ggml_tensor * t) {
-    return t->buffer && t->extra && t->type == GGML_TYPE_Q4_0 && t->ne[0] % QK == 0 && t->ne[1] % 8 == 0 &&
-           ggml_backend_buffer_get_type(t->buffer) == ggml_backend_cpu_repack_buffer_type();
-}
-
-// Puts the kernel in front of `t`'s traits (once; one wrapper per traits object of ggml).
-void wrap(ggml_tensor * t) {
-    static std::mutex lock;
-    static std::unordered_map<ggml::cpu::tensor_traits *, rows_traits *> wrappers;
-    std::lock_guard<std::mutex> guard(lock);
-    auto * traits = static_cast<ggml::cpu::tensor_traits *>(t->extra);
-    if (dynamic_cast<rows_traits *>(traits)) {
-        return;
-    }
-    auto & wrapper = wrappers[traits];
-    if (!wrapper) {
-        wrapper = new rows_traits(traits);  // lives as long as ggml's own
-    }
-    t->extra = wrapper;
-}
 
 // Random Q4_0 weights (some at the ends of their range), repacked by ggml, times random activation
 // rows (one of them all zeros): 2 to 17 rows, 8 to 136 columns (one run alone, a pair and one
@@ -241,31 +197,27 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
     for (int64_t width : { 32, 576, 1536 })
         for (int64_t n : { 8, 24, 136 })
             for (int64_t m : { 2, 3, 4, 5, 8, 9, 17 }) {
-                ggml_init_params weights_init = { ggml_tensor_overhead(), nullptr, true };
-                ggml_context * weights = ggml_init(weights_init);
+                ggml_init_params meta_init = { ggml_tensor_overhead(), nullptr, true };
+                ggml_context * meta = ggml_init(meta_init);
                 ggml_init_params init = { size_t(16) << 20, nullptr, false };
                 ggml_context * ctx = ggml_init(init);
-                if (!weights || !ctx) {
-                    return -3;
-                }
-                ggml_tensor * x = ggml_new_tensor_2d(weights, GGML_TYPE_Q4_0, width, n);
-                ggml_backend_buffer_t buffer = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_repack_buffer_type(), ggml_nbytes(x));
-                if (!buffer || ggml_backend_tensor_alloc(buffer, x, ggml_backend_buffer_get_base(buffer)) != GGML_STATUS_SUCCESS) {
+                if (!meta || !ctx) {
                     return -3;
                 }
                 std::vector<block_q4_0> quants(size_t(width * n / QK));
                 dflash2::random_weights(rng, GGML_TYPE_Q4_0, quants.data(), width, n);
-                ggml_backend_tensor_set(x, quants.data(), 0, ggml_nbytes(x));  // ggml repacks it here
-                if (!repacked_q4_0x8(x)) {
+                ggml_backend_buffer_t buffer = nullptr;
+                ggml_tensor * x = dflash2::repacked_weight(meta, GGML_TYPE_Q4_0, width, n, quants.data(), buffer);
+                if (!x) {
                     return -2;
                 }
-                wrap(x);
+                dflash2::put_in_front<kernel>(x);
                 ggml_tensor * y = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, m);
                 dflash2::random_rows(rng, y, 0);
                 const int64_t d = dflash2::differences(ctx, ggml_mul_mat(ctx, x, y), n_threads, [](bool on) { enabled.store(on); });
                 ggml_backend_buffer_free(buffer);
                 ggml_free(ctx);
-                ggml_free(weights);
+                ggml_free(meta);
                 if (d < 0) {
                     return d;
                 }
@@ -279,19 +231,7 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
 
 extern "C" int32_t dflash2_model_q4_0x8_rows(struct llama_model * model) {
 #if DFLASH2_Q4_0X8_ROWS
-    try {
-        int32_t n = 0;
-        for (auto & named : model->tensors_by_name) {
-            if (repacked_q4_0x8(named.second)) {
-                wrap(named.second);
-                ++n;
-            }
-        }
-        wrapped.fetch_add(n, std::memory_order_relaxed);
-        return n;
-    } catch (...) {
-        return 0;
-    }
+    return dflash2::put_in_front_of_model<kernel>(model, fronted);
 #else
     (void) model;
     return -1;
@@ -308,9 +248,9 @@ extern "C" int32_t dflash2_set_q4_0x8_rows(bool on) {
 #endif
 }
 
-extern "C" int64_t dflash2_q4_0x8_rows_wrapped(void) {
+extern "C" int64_t dflash2_q4_0x8_rows_fronted(void) {
 #if DFLASH2_Q4_0X8_ROWS
-    return wrapped.load(std::memory_order_relaxed);
+    return fronted.load(std::memory_order_relaxed);
 #else
     return -1;
 #endif
@@ -318,15 +258,7 @@ extern "C" int64_t dflash2_q4_0x8_rows_wrapped(void) {
 
 extern "C" int64_t dflash2_q4_0x8_rows_differences(uint32_t seed, int32_t n_threads) {
 #if DFLASH2_Q4_0X8_ROWS
-    try {
-        const bool was_on = enabled.load();
-        std::mt19937 rng(seed);
-        const int64_t d = differences(rng, n_threads);
-        enabled.store(was_on);
-        return d;
-    } catch (...) {
-        return -3;
-    }
+    return dflash2::seeded_check(enabled, seed, [&](std::mt19937 & rng) { return differences(rng, n_threads); });
 #else
     (void) seed, (void) n_threads;
     return -1;

@@ -61,7 +61,9 @@ pub const NO_FEW_ROW_KERNELS: &str = "DFLASH2_NO_FEW_ROW_KERNELS";
 pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
 pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
 pub const NO_Q4_0X8_ROWS: &str = "DFLASH2_NO_Q4_0X8_ROWS";
+pub const NO_Q4_KX8_ROWS: &str = "DFLASH2_NO_Q4_KX8_ROWS";
 pub const NO_Q4_1_ROWS: &str = "DFLASH2_NO_Q4_1_ROWS";
+pub const NO_KQUANT_ROWS: &str = "DFLASH2_NO_KQUANT_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
 pub const NO_Q8_0_ATTENTION: &str = "DFLASH2_NO_Q8_0_ATTENTION";
 pub const NO_Q8_0_ROWS: &str = "DFLASH2_NO_Q8_0_ROWS";
@@ -71,7 +73,7 @@ pub const NO_DRAFTER_CONV: &str = "DFLASH2_NO_DRAFTER_CONV";
 /// probe cache keys on them (a drafter's integer products, [`OpKernel::DrafterRows`], never run
 /// for a target).
 pub const KERNEL_SWITCHES: &[&str] =
-    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_Q4_1_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_Q4_KX8_ROWS, NO_Q4_1_ROWS, NO_KQUANT_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -127,10 +129,22 @@ pub enum OpKernel {
     /// rows (a verify's). It sits in front of ggml's traits of the weights that a target load puts
     /// it before (`Model::load`); one row stays ggml's. Built for AVX512-VNNI.
     Q4_0x8Rows,
+    /// Products of any number of rows with the Q4_K weights ggml repacks into 8-column runs on AVX2
+    /// CPUs (vendor/q4_kx8_rows.cpp), every row rounded as ggml's single-row gemv rounds it (its
+    /// 4-row gemm does not): each run unpacked once for up to 8 rows, 16 products a lane in one
+    /// vpdpbusd chain, one vpdpwssd for the sub-block's scale. With it the probe keeps Q4_K_M
+    /// targets repacked. It sits in front of ggml's traits of the weights that a target load puts it
+    /// before (`Model::load`). Built for AVX512-VNNI.
+    Q4Kx8Rows,
     /// Products of Q4_1 weights (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`], the blocks'
     /// minimums added as ggml adds them): SmolLM2's Q4_1 on AVX2 CPUs without AMX, where ggml
     /// has no repacked layout for them. Built for AVX512-VNNI.
     Q4_1Rows,
+    /// Products of the Q4_K, Q5_K and Q6_K weights ggml keeps unrepacked (vendor/kquant_rows.cpp):
+    /// each superblock unpacked once for up to 8 rows, one vpdpbusd and one vpdpwssd per 64
+    /// weights, a plain step's single row included. Every Q4_K_M and Q5_K_M file has Q6_K tensors
+    /// (the output head of tied-embedding files). Built for AVX512-VNNI.
+    KQuantRows,
     /// The DFlash 2 drafter's convolutions, each computed at its last add from its per-tap weights
     /// and hidden rows (vendor/drafter_conv.cpp); the 13 ops between them are skipped, with their
     /// barriers.
@@ -157,13 +171,16 @@ pub enum OpKernel {
 impl OpKernel {
     /// In the order ggml asks them whether they take an op: the drafter's convolutions before the
     /// drafter ops that take some of their ops, the drafter's integer products before the Q8_0
-    /// products that would take the same weights. ([`OpKernel::Q4_0x8Rows`] is not asked: it sits
-    /// in front of the traits ggml keeps with each repacked weight.)
-    pub const ALL: [OpKernel; 9] = [
+    /// products that would take the same weights. ([`OpKernel::Q4_0x8Rows`] and
+    /// [`OpKernel::Q4Kx8Rows`] are not asked: they sit in front of the traits ggml keeps with each
+    /// repacked weight.)
+    pub const ALL: [OpKernel; 11] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
         OpKernel::Q4_0x8Rows,
+        OpKernel::Q4Kx8Rows,
         OpKernel::Q4_1Rows,
+        OpKernel::KQuantRows,
         OpKernel::DrafterConv,
         OpKernel::DrafterOps,
         OpKernel::Q8_0Attention,
@@ -177,7 +194,9 @@ impl OpKernel {
             OpKernel::F16Attention => "attention over an f16 cache",
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
             OpKernel::Q4_0x8Rows => "products of repacked Q4_0 weights with several rows",
+            OpKernel::Q4Kx8Rows => "products of repacked Q4_K weights",
             OpKernel::Q4_1Rows => "products of Q4_1 weights",
+            OpKernel::KQuantRows => "products of unrepacked Q4_K, Q5_K and Q6_K weights",
             OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
@@ -192,7 +211,9 @@ impl OpKernel {
             OpKernel::F16Attention => "f16_attention",
             OpKernel::Q5_0Rows => "q5_0_rows",
             OpKernel::Q4_0x8Rows => "q4_0x8_rows",
+            OpKernel::Q4Kx8Rows => "q4_kx8_rows",
             OpKernel::Q4_1Rows => "q4_1_rows",
+            OpKernel::KQuantRows => "kquant_rows",
             OpKernel::DrafterConv => "drafter_conv",
             OpKernel::DrafterOps => "drafter_ops",
             OpKernel::Q8_0Attention => "q8_0_attention",
@@ -207,7 +228,9 @@ impl OpKernel {
             OpKernel::F16Attention => NO_F16_ATTENTION,
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
             OpKernel::Q4_0x8Rows => NO_Q4_0X8_ROWS,
+            OpKernel::Q4Kx8Rows => NO_Q4_KX8_ROWS,
             OpKernel::Q4_1Rows => NO_Q4_1_ROWS,
+            OpKernel::KQuantRows => NO_KQUANT_ROWS,
             OpKernel::DrafterConv => NO_DRAFTER_CONV,
             OpKernel::DrafterOps => NO_DRAFTER_OPS,
             OpKernel::Q8_0Attention => NO_Q8_0_ATTENTION,
@@ -225,7 +248,9 @@ impl OpKernel {
                 OpKernel::F16Attention => shim::dflash2_set_f16_attention(on),
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
                 OpKernel::Q4_0x8Rows => shim::dflash2_set_q4_0x8_rows(on),
+                OpKernel::Q4Kx8Rows => shim::dflash2_set_q4_kx8_rows(on),
                 OpKernel::Q4_1Rows => shim::dflash2_set_q4_1_rows(on),
+                OpKernel::KQuantRows => shim::dflash2_set_kquant_rows(on),
                 OpKernel::DrafterConv => shim::dflash2_set_drafter_conv(on),
                 OpKernel::DrafterOps => shim::dflash2_set_drafter_ops(on),
                 OpKernel::Q8_0Attention => shim::dflash2_set_q8_0_attention(on),
@@ -252,7 +277,9 @@ impl OpKernel {
                 OpKernel::Q8_0Attention => shim::dflash2_q8_0_attention_differences(seed, threads),
                 OpKernel::Q5_0Rows => shim::dflash2_q5_0_rows_differences(seed, threads),
                 OpKernel::Q4_0x8Rows => shim::dflash2_q4_0x8_rows_differences(seed, threads),
+                OpKernel::Q4Kx8Rows => shim::dflash2_q4_kx8_rows_differences(seed, threads),
                 OpKernel::Q4_1Rows => shim::dflash2_q4_1_rows_differences(seed, threads),
+                OpKernel::KQuantRows => shim::dflash2_kquant_rows_differences(seed, threads),
                 OpKernel::Q8_0Rows => shim::dflash2_q8_0_rows_differences(seed, threads),
                 // Not ggml's rounding: the outputs beyond the kernel's error bound.
                 OpKernel::DrafterRows => shim::dflash2_drafter_rows_excess(seed, threads),
@@ -277,10 +304,12 @@ impl OpKernel {
     /// others): [`OpKernel::DrafterRows`] the drafter weights it multiplied (once per weight and
     /// adoption; 0 where none went through it: a CPU without VNNI, or ggml's AMX backend holds the
     /// drafter's weights), [`OpKernel::DrafterConv`] the convolutions it computed,
-    /// [`OpKernel::Q4_0x8Rows`] the repacked Q4_0 weights of loaded models it sits in front of.
+    /// [`OpKernel::Q4_0x8Rows`] and [`OpKernel::Q4Kx8Rows`] the repacked Q4_0 (Q4_K) weights of loaded
+    /// models they sit in front of.
     pub fn taken(self) -> Option<u64> {
         let n = match self {
-            OpKernel::Q4_0x8Rows => unsafe { shim::dflash2_q4_0x8_rows_wrapped() },
+            OpKernel::Q4_0x8Rows => unsafe { shim::dflash2_q4_0x8_rows_fronted() },
+            OpKernel::Q4Kx8Rows => unsafe { shim::dflash2_q4_kx8_rows_fronted() },
             OpKernel::DrafterRows => unsafe { shim::dflash2_drafter_rows_made() },
             OpKernel::DrafterConv => unsafe { shim::dflash2_drafter_conv_computed() },
             _ => return None,

@@ -96,10 +96,16 @@ impl Model {
         // Q4_0 weights repacked into 8-column runs (AVX2 CPUs without AMX): products of several
         // rows through dflash2's kernel while it is on ([`super::OpKernel::Q4_0x8Rows`]), rounding
         // as ggml's single-row kernel does.
+        // Q4_K weights repacked so: products of any number of rows through dflash2's kernel while it
+        // is on ([`super::OpKernel::Q4Kx8Rows`]), rounding as ggml's single-row gemv does.
         if params.repack {
             let n = unsafe { shim::dflash2_model_q4_0x8_rows(ptr.as_ptr()) };
             if n > 0 {
                 tracing::debug!("{shown}: {n} repacked Q4_0 weights take dflash2's several-row products");
+            }
+            let n = unsafe { shim::dflash2_model_q4_kx8_rows(ptr.as_ptr()) };
+            if n > 0 {
+                tracing::debug!("{shown}: {n} repacked Q4_K weights take dflash2's products");
             }
         }
         Ok(Self { ptr, vocab, path: shown, repacked: params.repack, few_row_weights, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default(), verify_tolerance: Default::default() })

