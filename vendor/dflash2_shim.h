@@ -61,13 +61,13 @@ int64_t         dflash2_q5_0_rows_differences(uint32_t seed, int32_t n_threads);
 int64_t         dflash2_q8_0_rows_differences(uint32_t seed, int32_t n_threads);
 int64_t         dflash2_q4_1_rows_differences(uint32_t seed, int32_t n_threads);
 
-/* ---- Q4_K, Q5_K and Q6_K weights that ggml keeps unrepacked (vendor/kquant_rows.cpp) ----
+/* ---- Q4_K, Q5_K, Q6_K and IQ4_XS weights that ggml keeps unrepacked (vendor/kquant_rows.cpp) ----
  * Make ggml's CPU backend multiply such 2-D weights by f32 activations (any number of rows) with a
  * kernel that rounds every output as ggml_vec_dot_<type>_q8_K does, each weight superblock unpacked
- * once for up to 8 activation rows. One switch for the three types; process-wide, as above. Returns 1
+ * once for up to 8 activation rows. One switch for the four types; process-wide, as above. Returns 1
  * when on, 0 when off (or it failed to register), -1 where this build has no AVX512-VNNI. */
 int32_t         dflash2_set_kquant_rows(bool on);
-/* The count of outputs that differ from ggml's, over products of random weights of the three types
+/* The count of outputs that differ from ggml's, over products of random weights of the four types
  * by random activation rows (1-33 rows, widths 256-2304): 0 when they agree, -1 where not built, -3
  * on an error. */
 int64_t         dflash2_kquant_rows_differences(uint32_t seed, int32_t n_threads);

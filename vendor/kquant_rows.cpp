@@ -1,16 +1,18 @@
-// Products of K-quant weights (Q4_K, Q5_K, Q6_K) that ggml keeps unrepacked, with activation rows.
+// Products of K-quant weights (Q4_K, Q5_K, Q6_K) and IQ4_XS weights that ggml keeps unrepacked,
+// with activation rows.
 //
 // On x86 without AMX, ggml repacks only Q4_K (and Q2_K) of the K-quants; the Q6_K tensors of every
 // Q4_K_M and Q5_K_M file (the output head of Qwen2.5's tied-embedding files, ffn_down and attn_v of
-// half the layers) and all of Q5_K_M's Q5_K weights are multiplied by ggml_vec_dot_<type>_q8_K once
-// per (weight row, activation row), over activations quantized by quantize_row_q8_K. Its AVX2 code
-// takes each 256-weight superblock in 32-byte vectors: maddubs pairs, times the 16- or 32-weight
-// group's scale (madd), summed into 8 int32 lanes, lane l holding the weights whose index mod 32
-// lies in [4l, 4l + 4) (Q6_K's lanes also take 32 times the scales by the activations' 16-wide sums
-// of groups 2l and 2l + 1); per superblock the lanes go to float and into 8 float accumulators by
-// one fused multiply-add with the two scales' product, reduced at the end by hsum_float_8; Q4_K and
-// Q5_K then add their minimums' part, accumulated as ggml does it. On a 2-core EPYC it was 31% of a
-// plain step of Qwen2.5-Coder-1.5B Q4_K_M, and a verify pays it once per row.
+// half the layers), all of Q5_K_M's Q5_K weights and IQ4_XS files' weights are multiplied by
+// ggml_vec_dot_<type>_q8_K once per (weight row, activation row), over activations quantized by
+// quantize_row_q8_K. Its AVX2 code takes each 256-weight superblock in 32-byte vectors: maddubs
+// pairs, times the 16- or 32-weight group's scale (madd), summed into 8 int32 lanes, lane l holding
+// the weights whose index mod 32 lies in [4l, 4l + 4) (Q6_K's lanes also take 32 times the scales by
+// the activations' 16-wide sums of groups 2l and 2l + 1); per superblock the lanes go to float and
+// into 8 float accumulators by one fused multiply-add with the two scales' product, reduced at the
+// end by hsum_float_8; Q4_K and Q5_K then add their minimums' part, accumulated as ggml does it. On a
+// 2-core EPYC it was 31% of a plain step of Qwen2.5-Coder-1.5B Q4_K_M, and a verify pays it once per
+// row.
 //
 // This kernel gives every output that value: every lane's integer is exact in both (so equal), the
 // float operations are ggml's, in its order. How the integers are counted changes: a 64-byte
@@ -22,7 +24,7 @@
 //
 // Built for AVX-512 CPUs with VNNI (where ggml's dot products are its AVX2 ones) in the same
 // `-march=native` build as llama.cpp; elsewhere dflash2_set_kquant_rows() reports that it is not
-// built.
+// built. (IQ4_XS's signed weights take their scale in 32 bits: see iq4_xs below.)
 
 #include "dflash2_shim.h"
 #include "cpu_extra.h"
@@ -38,6 +40,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define DFLASH2_KQUANT_ROWS 1
 #include "ggml-cpu/quants.h"  // quantize_row_q8_K (ggml's quantizer for the activations), the block types
+#define GGML_COMMON_IMPL_CPP
+#include "ggml-common.h"  // kvalues_iq4nl
 #include <immintrin.h>
 #else
 #define DFLASH2_KQUANT_ROWS 0
@@ -57,11 +61,13 @@ constexpr size_t WEIGHT_ROWS_BYTES = size_t(256) << 10;
 // The largest work buffer the kernel asks for (a prompt batch is the most); beyond, ggml's own.
 constexpr size_t MAX_WORK = size_t(64) << 20;
 
-// An activation superblock: ggml's q8_K block (quants, scale, 16-wide sums) and the 32-wide sums
-// (pairs of those) that the minimums of Q4_K and Q5_K meet.
+// An activation superblock: ggml's q8_K block (quants, scale, 16-wide sums), the 32-wide sums
+// (pairs of those) that the minimums of Q4_K and Q5_K meet, and for weights that meet them offset
+// by 128 (IQ4_XS), -128 times the sums of each dword's 4 quants (4 chunks of 16 lanes).
 struct activation {
     const block_q8_K * q;
     const int16_t * sums32;  // 8
+    const int32_t * neg_sums;  // 64, where the weight type has `offset`
 };
 
 // Where each 64-weight chunk's dword lanes find their scale for vpdpwssd (in their low half; word
@@ -125,6 +131,7 @@ inline __m256i scales_and_mins_k4(const uint8_t * scales) {
 struct q6_K {
     using block = block_q6_K;
     static constexpr ggml_type type = GGML_TYPE_Q6_K;
+    static constexpr bool offset = false;
     struct weights : unpacked {
         __m256i sc32;  // 32 times the 16 scales, int16
         float d;
@@ -169,6 +176,7 @@ struct q6_K {
 // (high), 32-weight groups with 6-bit scales and minimums; the minimums' part is
 // dmin * sum(min[j] * (the activations' sum over group j)), dmin = -y.d * x.dmin.
 struct k4_common {
+    static constexpr bool offset = false;
     struct weights : unpacked {
         __m128i mins;  // 8 int16
         float d, dmin;
@@ -262,13 +270,65 @@ struct q5_K : k4_common {
     static float finish(const accumulator & a) { return dflash2::hsum_float_8(a.acc) + a.summs; }
 };
 
-// Per activation superblock: ggml's q8_K block and its 8 sums over 32 weights.
-inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(block_q8_K) + 8 * sizeof(int16_t)); }
+// ggml_vec_dot_iq4_xs_q8_K: weights from ggml's 16-value table (signed, -127..113) by 4-bit index,
+// 32-weight groups with 6-bit scales minus 32; per superblock acc = fma(x.d * y.d, lanes, acc). Four
+// such products may pass 16 bits, so here the weights are unsigned (w + 128, their sums counted from
+// -128 times the activations' dword sums) and each chunk's lane sums are multiplied by their scale
+// in 32 bits (vpmulld).
+struct iq4_xs {
+    using block = block_iq4_xs;
+    static constexpr ggml_type type = GGML_TYPE_IQ4_XS;
+    static constexpr bool offset = true;
+    struct weights {
+        __m512i w[4];
+        __m512i ls[4];  // int32: lanes 0-7 group 2q's scale, lanes 8-15 group 2q + 1's
+        float d;
+    };
+    using accumulator = __m256;
+
+    static void unpack(const block & b, weights & out) {
+        alignas(16) int8_t shifted[16];
+        for (int i = 0; i < 16; ++i) shifted[i] = (int8_t) (kvalues_iq4nl[i] + 128);
+        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *) shifted));
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        // qs[32q..32q+16): group 2q, low nibbles its weights 0-15, high nibbles 16-31; qs[32q+16..32q+32): group 2q + 1
+        const __m512i halves = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+        const __m512i nibble = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0);
+        for (int q = 0; q < 4; ++q) {
+            const __m512i bytes = _mm512_permutexvar_epi64(halves, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (b.qs + 32 * q))));
+            out.w[q] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srlv_epi16(bytes, nibble), low4));
+            const int ls0 = ((b.scales_l[q] & 0xf) | ((b.scales_h >> (4 * q) << 4) & 0x30)) - 32;
+            const int ls1 = ((b.scales_l[q] >> 4) | ((b.scales_h >> (4 * q) << 2) & 0x30)) - 32;
+            out.ls[q] = _mm512_inserti64x4(_mm512_set1_epi32(ls0), _mm256_set1_epi32(ls1), 1);
+        }
+        out.d = _cvtsh_ss(b.d);
+    }
+
+    static void start(accumulator & acc) { acc = _mm256_setzero_ps(); }
+
+    static void step(accumulator & acc, const weights & w, const activation & a) {
+        __m512i s = _mm512_setzero_si512();
+        for (int q = 0; q < 4; ++q) {
+            const __m512i t = _mm512_dpbusd_epi32(_mm512_loadu_si512(a.neg_sums + 16 * q), w.w[q], _mm512_loadu_si512(a.q->qs + 64 * q));
+            s = _mm512_add_epi32(s, _mm512_mullo_epi32(t, w.ls[q]));
+        }
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w.d * a.q->d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+
+    static float finish(const accumulator & acc) { return dflash2::hsum_float_8(acc); }
+};
+
+// Per activation superblock: ggml's q8_K block, its 8 sums over 32 weights and, for weights that
+// meet them offset, its 64 negated dword sums.
+template <class W> inline size_t work_for(int64_t rows, int64_t blocks) {
+    return size_t(rows * blocks) * (sizeof(block_q8_K) + 8 * sizeof(int16_t) + (W::offset ? 64 * sizeof(int32_t) : 0));
+}
 
 // One weight row (its superblocks `x`) times G activation rows, each output as ggml's vec_dot
 // computes it; *out[g] receives activation row g's.
 template <class W, int G> inline void tile(int64_t blocks, const typename W::block * x, const block_q8_K * const * act,
-                                           const int16_t * const * sums32, float * const * out) {
+                                           const int16_t * const * sums32, const int32_t * const * neg_sums, float * const * out) {
     typename W::accumulator acc[G];
     for (int g = 0; g < G; ++g) W::start(acc[g]);
     for (int64_t ib = 0; ib < blocks; ++ib) {
@@ -279,22 +339,22 @@ template <class W, int G> inline void tile(int64_t blocks, const typename W::blo
         }
         typename W::weights w;
         W::unpack(x[ib], w);
-        for (int g = 0; g < G; ++g) W::step(acc[g], w, activation{ act[g] + ib, sums32[g] + 8 * ib });
+        for (int g = 0; g < G; ++g) W::step(acc[g], w, activation{ act[g] + ib, sums32[g] + 8 * ib, W::offset ? neg_sums[g] + 64 * ib : nullptr });
     }
     for (int g = 0; g < G; ++g) *out[g] = W::finish(acc[g]);
 }
 
 template <class W> inline void tile(int G, int64_t blocks, const typename W::block * x, const block_q8_K * const * act,
-                                    const int16_t * const * sums32, float * const * out) {
+                                    const int16_t * const * sums32, const int32_t * const * neg_sums, float * const * out) {
     switch (G) {
-        case 1: tile<W, 1>(blocks, x, act, sums32, out); break;
-        case 2: tile<W, 2>(blocks, x, act, sums32, out); break;
-        case 3: tile<W, 3>(blocks, x, act, sums32, out); break;
-        case 4: tile<W, 4>(blocks, x, act, sums32, out); break;
-        case 5: tile<W, 5>(blocks, x, act, sums32, out); break;
-        case 6: tile<W, 6>(blocks, x, act, sums32, out); break;
-        case 7: tile<W, 7>(blocks, x, act, sums32, out); break;
-        default: tile<W, 8>(blocks, x, act, sums32, out); break;
+        case 1: tile<W, 1>(blocks, x, act, sums32, neg_sums, out); break;
+        case 2: tile<W, 2>(blocks, x, act, sums32, neg_sums, out); break;
+        case 3: tile<W, 3>(blocks, x, act, sums32, neg_sums, out); break;
+        case 4: tile<W, 4>(blocks, x, act, sums32, neg_sums, out); break;
+        case 5: tile<W, 5>(blocks, x, act, sums32, neg_sums, out); break;
+        case 6: tile<W, 6>(blocks, x, act, sums32, neg_sums, out); break;
+        case 7: tile<W, 7>(blocks, x, act, sums32, neg_sums, out); break;
+        default: tile<W, 8>(blocks, x, act, sums32, neg_sums, out); break;
     }
 }
 
@@ -308,12 +368,12 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
         return op->op == GGML_OP_MUL_MAT && x && y && x->type == W::type && y->type == GGML_TYPE_F32 &&
                op->type == GGML_TYPE_F32 && x->ne[0] % QK == 0 && x->ne[2] == 1 && x->ne[3] == 1 && y->ne[2] == 1 &&
                y->ne[3] == 1 && x->nb[0] == sizeof(typename W::block) && y->nb[0] == sizeof(float) && op->nb[0] == sizeof(float) &&
-               work_for(y->ne[1], x->ne[0] / QK) <= MAX_WORK && !x->extra &&
+               work_for<W>(y->ne[1], x->ne[0] / QK) <= MAX_WORK && !x->extra &&
                (!x->buffer || ggml_backend_buffer_is_host(x->buffer));  // no buffer: a plain ggml context's memory
     }
 
     bool work_size(int, const ggml_tensor * op, size_t & size) override {
-        size = work_for(op->src[1]->ne[1], op->src[0]->ne[0] / QK);
+        size = work_for<W>(op->src[1]->ne[1], op->src[0]->ne[0] / QK);
         return true;
     }
 
@@ -326,9 +386,11 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
         const int64_t k = x->ne[0], blocks = k / QK, n = x->ne[1], m = y->ne[1];
         block_q8_K * quants = static_cast<block_q8_K *>(params->wdata);
         int16_t * sums32 = reinterpret_cast<int16_t *>(quants + m * blocks);
+        int32_t * neg_sums = reinterpret_cast<int32_t *>(sums32 + 8 * m * blocks);
 
         // Every activation row quantized as ggml quantizes it, split between the threads, and its
-        // superblocks' 32-wide sums (ggml's hadd of the 16-wide ones).
+        // superblocks' 32-wide sums (ggml's hadd of the 16-wide ones) and, where the weights are
+        // offset, -128 times its dword sums.
         for (int64_t i = params->ith; i < m; i += params->nth) {
             block_q8_K * row = quants + i * blocks;
             quantize_row_q8_K((const float *) ((const char *) y->data + i * y->nb[1]), row, k);
@@ -336,6 +398,12 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
                 const __m256i s16 = _mm256_loadu_si256((const __m256i *) row[b].bsums);
                 const __m128i s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
                 _mm_storeu_si128((__m128i *) (sums32 + 8 * (i * blocks + b)), s32);
+                if (W::offset) {
+                    for (int q = 0; q < 4; ++q) {
+                        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char) 0x80), _mm512_loadu_si512(row[b].qs + 64 * q));
+                        _mm512_storeu_si512(neg_sums + 64 * (i * blocks + b) + 16 * q, _mm512_sub_epi32(_mm512_setzero_si512(), sums));
+                    }
+                }
             }
         }
         ggml_barrier(params->threadpool);
@@ -345,6 +413,7 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
         const int64_t run = std::max<int64_t>(1, (int64_t) (WEIGHT_ROWS_BYTES / x->nb[1]));
         const block_q8_K * act[MAX_TILE_ROWS];
         const int16_t * sums[MAX_TILE_ROWS];
+        const int32_t * negs[MAX_TILE_ROWS];
         float * out[MAX_TILE_ROWS];
         for (int64_t r0 = first; r0 < last; r0 += run) {
             const int64_t r1 = std::min(last, r0 + run);
@@ -353,10 +422,11 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
                 for (int g = 0; g < G; ++g) {
                     act[g] = quants + (g0 + g) * blocks;
                     sums[g] = sums32 + 8 * (g0 + g) * blocks;
+                    negs[g] = neg_sums + 64 * (g0 + g) * blocks;
                 }
                 for (int64_t r = r0; r < r1; ++r) {
                     for (int g = 0; g < G; ++g) out[g] = (float *) ((char *) op->data + (g0 + g) * op->nb[1]) + r;
-                    tile<W>(G, blocks, (const typename W::block *) ((const char *) x->data + r * x->nb[1]), act, sums, out);
+                    tile<W>(G, blocks, (const typename W::block *) ((const char *) x->data + r * x->nb[1]), act, sums, negs, out);
                 }
             }
         }
@@ -368,6 +438,7 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
 dflash2::op_kernel<rows_traits<q4_K>> q4_K_kernel{ "DFLASH2_Q4_K_ROWS" };
 dflash2::op_kernel<rows_traits<q5_K>> q5_K_kernel{ "DFLASH2_Q5_K_ROWS" };
 dflash2::op_kernel<rows_traits<q6_K>> q6_K_kernel{ "DFLASH2_Q6_K_ROWS" };
+dflash2::op_kernel<rows_traits<iq4_xs>> iq4_xs_kernel{ "DFLASH2_IQ4_XS_ROWS" };
 
 // Random W weights times random activation rows (one of them all zeros, one in 16 values forty
 // times larger), of the targets' widths, through ggml's product and the kernel: 1 to 33 activation
@@ -401,8 +472,8 @@ template <class W> int64_t differences(dflash2::op_kernel<rows_traits<W>> & kern
 
 extern "C" int32_t dflash2_set_kquant_rows(bool on) {
 #if DFLASH2_KQUANT_ROWS
-    const int32_t a = q4_K_kernel.set(on), b = q5_K_kernel.set(on), c = q6_K_kernel.set(on);
-    return a == b && b == c ? a : 0;
+    const int32_t a = q4_K_kernel.set(on), b = q5_K_kernel.set(on), c = q6_K_kernel.set(on), d = iq4_xs_kernel.set(on);
+    return a == b && b == c && c == d ? a : 0;
 #else
     (void) on;
     return -1;
@@ -415,7 +486,7 @@ extern "C" int64_t dflash2_kquant_rows_differences(uint32_t seed, int32_t n_thre
         std::mt19937 rng(seed);
         int64_t total = 0;
         for (int64_t d : { differences(q4_K_kernel, rng, n_threads), differences(q5_K_kernel, rng, n_threads),
-                           differences(q6_K_kernel, rng, n_threads) }) {
+                           differences(q6_K_kernel, rng, n_threads), differences(iq4_xs_kernel, rng, n_threads) }) {
             if (d < 0) {
                 return d;
             }

@@ -140,7 +140,7 @@ pub enum OpKernel {
     /// minimums added as ggml adds them): SmolLM2's Q4_1 on AVX2 CPUs without AMX, where ggml
     /// has no repacked layout for them. Built for AVX512-VNNI.
     Q4_1Rows,
-    /// Products of the Q4_K, Q5_K and Q6_K weights ggml keeps unrepacked (vendor/kquant_rows.cpp):
+    /// Products of the Q4_K, Q5_K, Q6_K and IQ4_XS weights ggml keeps unrepacked (vendor/kquant_rows.cpp):
     /// each superblock unpacked once for up to 8 rows, one vpdpbusd and one vpdpwssd per 64
     /// weights, a plain step's single row included. Every Q4_K_M and Q5_K_M file has Q6_K tensors
     /// (the output head of tied-embedding files). Built for AVX512-VNNI.
@@ -196,7 +196,7 @@ impl OpKernel {
             OpKernel::Q4_0x8Rows => "products of repacked Q4_0 weights with several rows",
             OpKernel::Q4Kx8Rows => "products of repacked Q4_K weights",
             OpKernel::Q4_1Rows => "products of Q4_1 weights",
-            OpKernel::KQuantRows => "products of unrepacked Q4_K, Q5_K and Q6_K weights",
+            OpKernel::KQuantRows => "products of unrepacked Q4_K, Q5_K, Q6_K and IQ4_XS weights",
             OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
             OpKernel::Q8_0Attention => "flash attention over a q8_0 cache",
