@@ -1,5 +1,6 @@
-//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/q4_0x8_rows.cpp, vendor/drafter_conv.cpp,
-//! vendor/drafter_ops.cpp, vendor/q8_0_attention.cpp) must give every output the bits ggml's own
+//! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/kquant_rows.cpp,
+//! vendor/q4_x8_rows.cpp, vendor/q4_kx8_rows.cpp, vendor/drafter_conv.cpp, vendor/drafter_ops.cpp,
+//! vendor/q8_0_attention.cpp) must give every output the bits ggml's own
 //! kernels give it; the drafter's integer products (vendor/drafter_rows.cpp) must give each output
 //! the bits of their own scheme, never touch a target, and keep the drafter's candidates. The
 //! comparisons switch kernels off and on for the whole process, so they live in a test binary of
@@ -117,6 +118,51 @@ fn q4_0x8_kernel_rounds_every_logit_as_ggml_does() {
 fn q8_0_kernel_rounds_every_logit_as_ggml_does() {
     let built = vnni();
     rounds_every_logit_as_ggml_does(OpKernel::Q8_0Rows, built);
+}
+
+/// Whether ggml repacks K-quant weights into 8-column runs on this CPU (AVX2 CPUs without AMX, whose
+/// backend holds them otherwise) and dflash2's kernel for them is built (AVX512-VNNI).
+fn q4_k_repacked_here() -> bool {
+    vnni() && !dflash2::llama::system_info().contains("AMX_INT8 = 1")
+}
+
+/// Qwen2.5-Coder-0.5B's Q4_K_M keeps its 24 ffn_down weights (4864 wide, its only width that is a
+/// multiple of 256) half in Q4_K, half in Q6_K. ggml repacks the Q4_K ones into 8-column runs on AVX2
+/// CPUs, whose 4-row gemm rounds otherwise than its single-row gemv; dflash2's kernel gives every
+/// row the gemv's bits, so the load-time probe keeps the weights repacked (it had to drop repacking
+/// before) and the kernel sits in front of all 12 of them.
+#[test]
+fn q4_kx8_kernel_rounds_every_logit_as_ggml_does() {
+    let built = vnni();
+    let before = OpKernel::Q4Kx8Rows.taken().unwrap_or(0);
+    rounds_every_logit_as_ggml_does(OpKernel::Q4Kx8Rows, built);
+    let taken = OpKernel::Q4Kx8Rows.taken().unwrap_or(0) - before;
+    let (smollm2, qwen) = (0, 12); // Q4_K weights of each test target (SmolLM2 has none)
+    assert_eq!(taken, if q4_k_repacked_here() { smollm2 + qwen } else { 0 }, "the kernel sits in front of {taken} weights");
+    if q4_k_repacked_here() {
+        dflash2::llama::install_kernels();
+        let params = common::engine_params(2, dflash2::llama::CacheType::F16);
+        let (_, choice) = load_target(&common::real_model(common::QWEN_05B), 999, Repack::Auto, &params).unwrap();
+        assert!(choice.repack && choice.lossless, "the probe dropped repacking: {}", choice.reason);
+    }
+}
+
+/// The Q6_K weights of Qwen2.5-Coder-0.5B's Q4_K_M (12 ffn_down) and the Q5_K and Q6_K weights of
+/// the same model requantized to Q5_K_M (`dflash2 quantize`), which ggml keeps unrepacked on x86
+/// without AMX: dflash2's kernel multiplies them, a plain step's single row included.
+#[test]
+fn kquant_kernel_rounds_every_logit_as_ggml_does() {
+    let built = vnni();
+    let q5_k_m = common::scratch_dir("op-kernels-q5_k_m").join("qwen2.5-coder-0.5b-instruct-q5_k_m.gguf");
+    if !q5_k_m.exists() {
+        let (_, q5_k_m_type) = dflash2::llama::QUANT_TYPES.into_iter().find(|(name, _)| *name == "q5_k_m").unwrap();
+        dflash2::llama::quantize(&common::real_model(common::QWEN_05B), &q5_k_m, q5_k_m_type, true, 2).unwrap();
+    }
+    let types = dflash2::gguf::read_gguf(&q5_k_m).unwrap().weight_types();
+    for kind in ["Q5_K", "Q6_K"] {
+        assert!(types.iter().any(|w| w.type_name == kind), "the requantized file has no {kind} weights: {types:?}");
+    }
+    rounds_every_logit_of_targets_as_ggml_does(OpKernel::KQuantRows, built, &[common::real_model(common::QWEN_05B), q5_k_m]);
 }
 
 const BLOCKS: [usize; 4] = [2, 4, 8, 16];
@@ -302,7 +348,10 @@ fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
         OpKernel::Q8_0Attention,
         OpKernel::Q5_0Rows,
         OpKernel::Q4_0x8Rows,
+        OpKernel::Q4Kx8Rows,
+        OpKernel::Iq4NlX8Rows,
         OpKernel::Q4_1Rows,
+        OpKernel::KQuantRows,
         OpKernel::Q8_0Rows,
         OpKernel::DrafterRows,
     ] {

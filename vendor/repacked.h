@@ -1,4 +1,4 @@
-// dflash2's kernels for weights that ggml repacked (its CPU_REPACK buffer: vendor/q4_0x8_rows.cpp,
+// dflash2's kernels for weights that ggml repacked (its CPU_REPACK buffer: vendor/q4_x8_rows.cpp,
 // vendor/q4_kx8_rows.cpp). ggml keeps the traits of such a weight in `tensor->extra` and asks them
 // before any extra buffer type, so these kernels do not plug in as one (vendor/cpu_extra.h): they
 // sit in front of those traits, weight by weight, when a target loads.

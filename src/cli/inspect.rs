@@ -79,7 +79,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             Ok(()) => serde_json::json!({ "ok": true }),
             Err(e) => serde_json::json!({ "ok": false, "error": e.to_string() }),
         });
-        let mut out = serde_json::json!({ "model": model, "target": target, "pairing": pairing });
+        let mut out = serde_json::json!({ "model": model, "tensor_types": gguf.weight_types(), "target": target, "pairing": pairing });
         if args.all {
             out["metadata"] = gguf.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(short(v)))).collect();
             out["tensors"] = serde_json::to_value(&gguf.tensors)?;
@@ -87,6 +87,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         print!("{}", describe(&model));
+        let types: Vec<String> =
+            gguf.weight_types().iter().map(|w| format!("{} {} tensors {:.1} MB", w.type_name, w.tensors, w.bytes as f64 / 1e6)).collect();
+        println!("tensor types   {}", types.join(", "));
         if args.all {
             print!("{}", list_all(&gguf));
         }

@@ -16,7 +16,8 @@ pub struct QuantizeArgs {
     pub input: PathBuf,
     /// The GGUF to write.
     pub output: PathBuf,
-    /// Weight type: f16, q8_0, q6_k, q5_k_m, q5_1, q5_0, q4_k_m, q4_1, q4_0.
+    /// Weight type: f16, q8_0, q6_k, q5_k_m, q5_k_s, q5_1, q5_0, q4_k_m, q4_k_s, q4_1, q4_0, iq4_xs,
+    /// iq4_nl, q3_k_m, q3_k_s, q2_k (the i-quants here need no importance matrix).
     #[arg(long = "type")]
     pub kind: String,
     /// Start from weights that are already quantized (loses some quality: quantize from the

@@ -12,7 +12,7 @@ pub mod write;
 
 pub use read::{
     check_pair, check_pair_files, parse_gguf, read_gguf, read_model_info, DflashInfo, Gguf, GgufError, ModelInfo, PairCheckError,
-    PairError, TensorInfo,
+    PairError, TensorInfo, WeightType,
 };
 pub use write::GgufWriter;
 

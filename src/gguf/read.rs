@@ -121,6 +121,33 @@ pub struct ModelInfo {
     pub dflash: Option<DflashInfo>,
 }
 
+/// One tensor type of a file: how many tensors, how many bytes.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct WeightType {
+    pub type_name: &'static str,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+impl Gguf {
+    /// The tensor types the file holds, the most bytes first: what a "Q4_K_M" file really is (a
+    /// width that is no multiple of 256 falls back to Q5_0 or Q8_0), and so which kernels multiply it.
+    pub fn weight_types(&self) -> Vec<WeightType> {
+        let mut types: Vec<WeightType> = Vec::new();
+        for t in &self.tensors {
+            match types.iter_mut().find(|w| w.type_name == t.type_name) {
+                Some(w) => {
+                    w.tensors += 1;
+                    w.bytes += t.nbytes;
+                }
+                None => types.push(WeightType { type_name: t.type_name, tensors: 1, bytes: t.nbytes }),
+            }
+        }
+        types.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.type_name.cmp(b.type_name)));
+        types
+    }
+}
+
 /// DFlash drafter metadata (architecture `dflash`).
 #[derive(Clone, Debug, Serialize)]
 pub struct DflashInfo {

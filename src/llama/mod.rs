@@ -62,6 +62,7 @@ pub const NO_F16_ATTENTION: &str = "DFLASH2_NO_F16_ATTENTION";
 pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
 pub const NO_Q4_0X8_ROWS: &str = "DFLASH2_NO_Q4_0X8_ROWS";
 pub const NO_Q4_KX8_ROWS: &str = "DFLASH2_NO_Q4_KX8_ROWS";
+pub const NO_IQ4_NLX8_ROWS: &str = "DFLASH2_NO_IQ4_NLX8_ROWS";
 pub const NO_Q4_1_ROWS: &str = "DFLASH2_NO_Q4_1_ROWS";
 pub const NO_KQUANT_ROWS: &str = "DFLASH2_NO_KQUANT_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
@@ -73,7 +74,7 @@ pub const NO_DRAFTER_CONV: &str = "DFLASH2_NO_DRAFTER_CONV";
 /// probe cache keys on them (a drafter's integer products, [`OpKernel::DrafterRows`], never run
 /// for a target).
 pub const KERNEL_SWITCHES: &[&str] =
-    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_Q4_KX8_ROWS, NO_Q4_1_ROWS, NO_KQUANT_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_Q4_KX8_ROWS, NO_IQ4_NLX8_ROWS, NO_Q4_1_ROWS, NO_KQUANT_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -125,7 +126,7 @@ pub enum OpKernel {
     /// weights streamed a row at a time. Built for AVX512-VNNI.
     Q5_0Rows,
     /// Products of 2 or more rows with the Q4_0 weights ggml repacks into 8-column runs on AVX2 CPUs
-    /// (vendor/q4_0x8_rows.cpp): 16 columns to a register, each block unpacked once for up to 8
+    /// (vendor/q4_x8_rows.cpp): 16 columns to a register, each block unpacked once for up to 8
     /// rows (a verify's). It sits in front of ggml's traits of the weights that a target load puts
     /// it before (`Model::load`); one row stays ggml's. Built for AVX512-VNNI.
     Q4_0x8Rows,
@@ -136,6 +137,11 @@ pub enum OpKernel {
     /// targets repacked. It sits in front of ggml's traits of the weights that a target load puts it
     /// before (`Model::load`). Built for AVX512-VNNI.
     Q4Kx8Rows,
+    /// Products of 2 or more rows with the IQ4_NL weights ggml repacks into 8-column runs on AVX2
+    /// CPUs (vendor/q4_x8_rows.cpp, as [`OpKernel::Q4_0x8Rows`], the weights from IQ4_NL's table):
+    /// IQ4_XS files keep the weights whose width is no multiple of 256 in IQ4_NL. One row stays
+    /// ggml's. Built for AVX512-VNNI.
+    Iq4NlX8Rows,
     /// Products of Q4_1 weights (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`], the blocks'
     /// minimums added as ggml adds them): SmolLM2's Q4_1 on AVX2 CPUs without AMX, where ggml
     /// has no repacked layout for them. Built for AVX512-VNNI.
@@ -171,14 +177,15 @@ pub enum OpKernel {
 impl OpKernel {
     /// In the order ggml asks them whether they take an op: the drafter's convolutions before the
     /// drafter ops that take some of their ops, the drafter's integer products before the Q8_0
-    /// products that would take the same weights. ([`OpKernel::Q4_0x8Rows`] and
-    /// [`OpKernel::Q4Kx8Rows`] are not asked: they sit in front of the traits ggml keeps with each
-    /// repacked weight.)
-    pub const ALL: [OpKernel; 11] = [
+    /// products that would take the same weights. ([`OpKernel::Q4_0x8Rows`],
+    /// [`OpKernel::Q4Kx8Rows`] and [`OpKernel::Iq4NlX8Rows`] are not asked: they sit in front of the
+    /// traits ggml keeps with each repacked weight.)
+    pub const ALL: [OpKernel; 12] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
         OpKernel::Q4_0x8Rows,
         OpKernel::Q4Kx8Rows,
+        OpKernel::Iq4NlX8Rows,
         OpKernel::Q4_1Rows,
         OpKernel::KQuantRows,
         OpKernel::DrafterConv,
@@ -195,6 +202,7 @@ impl OpKernel {
             OpKernel::Q5_0Rows => "products of Q5_0 weights",
             OpKernel::Q4_0x8Rows => "products of repacked Q4_0 weights with several rows",
             OpKernel::Q4Kx8Rows => "products of repacked Q4_K weights",
+            OpKernel::Iq4NlX8Rows => "products of repacked IQ4_NL weights with several rows",
             OpKernel::Q4_1Rows => "products of Q4_1 weights",
             OpKernel::KQuantRows => "products of unrepacked Q4_K, Q5_K, Q6_K and IQ4_XS weights",
             OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
@@ -212,6 +220,7 @@ impl OpKernel {
             OpKernel::Q5_0Rows => "q5_0_rows",
             OpKernel::Q4_0x8Rows => "q4_0x8_rows",
             OpKernel::Q4Kx8Rows => "q4_kx8_rows",
+            OpKernel::Iq4NlX8Rows => "iq4_nlx8_rows",
             OpKernel::Q4_1Rows => "q4_1_rows",
             OpKernel::KQuantRows => "kquant_rows",
             OpKernel::DrafterConv => "drafter_conv",
@@ -229,6 +238,7 @@ impl OpKernel {
             OpKernel::Q5_0Rows => NO_Q5_0_ROWS,
             OpKernel::Q4_0x8Rows => NO_Q4_0X8_ROWS,
             OpKernel::Q4Kx8Rows => NO_Q4_KX8_ROWS,
+            OpKernel::Iq4NlX8Rows => NO_IQ4_NLX8_ROWS,
             OpKernel::Q4_1Rows => NO_Q4_1_ROWS,
             OpKernel::KQuantRows => NO_KQUANT_ROWS,
             OpKernel::DrafterConv => NO_DRAFTER_CONV,
@@ -249,6 +259,7 @@ impl OpKernel {
                 OpKernel::Q5_0Rows => shim::dflash2_set_q5_0_rows(on),
                 OpKernel::Q4_0x8Rows => shim::dflash2_set_q4_0x8_rows(on),
                 OpKernel::Q4Kx8Rows => shim::dflash2_set_q4_kx8_rows(on),
+                OpKernel::Iq4NlX8Rows => shim::dflash2_set_iq4_nlx8_rows(on),
                 OpKernel::Q4_1Rows => shim::dflash2_set_q4_1_rows(on),
                 OpKernel::KQuantRows => shim::dflash2_set_kquant_rows(on),
                 OpKernel::DrafterConv => shim::dflash2_set_drafter_conv(on),
@@ -278,6 +289,7 @@ impl OpKernel {
                 OpKernel::Q5_0Rows => shim::dflash2_q5_0_rows_differences(seed, threads),
                 OpKernel::Q4_0x8Rows => shim::dflash2_q4_0x8_rows_differences(seed, threads),
                 OpKernel::Q4Kx8Rows => shim::dflash2_q4_kx8_rows_differences(seed, threads),
+                OpKernel::Iq4NlX8Rows => shim::dflash2_iq4_nlx8_rows_differences(seed, threads),
                 OpKernel::Q4_1Rows => shim::dflash2_q4_1_rows_differences(seed, threads),
                 OpKernel::KQuantRows => shim::dflash2_kquant_rows_differences(seed, threads),
                 OpKernel::Q8_0Rows => shim::dflash2_q8_0_rows_differences(seed, threads),
@@ -304,12 +316,13 @@ impl OpKernel {
     /// others): [`OpKernel::DrafterRows`] the drafter weights it multiplied (once per weight and
     /// adoption; 0 where none went through it: a CPU without VNNI, or ggml's AMX backend holds the
     /// drafter's weights), [`OpKernel::DrafterConv`] the convolutions it computed,
-    /// [`OpKernel::Q4_0x8Rows`] and [`OpKernel::Q4Kx8Rows`] the repacked Q4_0 (Q4_K) weights of loaded
-    /// models they sit in front of.
+    /// [`OpKernel::Q4_0x8Rows`], [`OpKernel::Q4Kx8Rows`] and [`OpKernel::Iq4NlX8Rows`] the repacked
+    /// Q4_0 (Q4_K, IQ4_NL) weights of loaded models they sit in front of.
     pub fn taken(self) -> Option<u64> {
         let n = match self {
             OpKernel::Q4_0x8Rows => unsafe { shim::dflash2_q4_0x8_rows_fronted() },
             OpKernel::Q4Kx8Rows => unsafe { shim::dflash2_q4_kx8_rows_fronted() },
+            OpKernel::Iq4NlX8Rows => unsafe { shim::dflash2_iq4_nlx8_rows_fronted() },
             OpKernel::DrafterRows => unsafe { shim::dflash2_drafter_rows_made() },
             OpKernel::DrafterConv => unsafe { shim::dflash2_drafter_conv_computed() },
             _ => return None,

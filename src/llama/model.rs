@@ -93,11 +93,10 @@ impl Model {
         if few_row_weights > 0 {
             tracing::debug!("{shown}: {few_row_weights} AMX weights take few-row products");
         }
-        // Q4_0 weights repacked into 8-column runs (AVX2 CPUs without AMX): products of several
-        // rows through dflash2's kernel while it is on ([`super::OpKernel::Q4_0x8Rows`]), rounding
-        // as ggml's single-row kernel does.
-        // Q4_K weights repacked so: products of any number of rows through dflash2's kernel while it
-        // is on ([`super::OpKernel::Q4Kx8Rows`]), rounding as ggml's single-row gemv does.
+        // Q4_0, IQ4_NL and Q4_K weights repacked into 8-column runs (AVX2 CPUs without AMX):
+        // products of several rows (any number for Q4_K) through dflash2's kernels while they are
+        // on ([`super::OpKernel::Q4_0x8Rows`], [`super::OpKernel::Iq4NlX8Rows`],
+        // [`super::OpKernel::Q4Kx8Rows`]), rounding as ggml's single-row gemv does.
         if params.repack {
             let n = unsafe { shim::dflash2_model_q4_0x8_rows(ptr.as_ptr()) };
             if n > 0 {
@@ -106,6 +105,10 @@ impl Model {
             let n = unsafe { shim::dflash2_model_q4_kx8_rows(ptr.as_ptr()) };
             if n > 0 {
                 tracing::debug!("{shown}: {n} repacked Q4_K weights take dflash2's products");
+            }
+            let n = unsafe { shim::dflash2_model_iq4_nlx8_rows(ptr.as_ptr()) };
+            if n > 0 {
+                tracing::debug!("{shown}: {n} repacked IQ4_NL weights take dflash2's several-row products");
             }
         }
         Ok(Self { ptr, vocab, path: shown, repacked: params.repack, few_row_weights, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default(), verify_tolerance: Default::default() })
@@ -434,16 +437,23 @@ pub fn builtin_chat_templates() -> Vec<String> {
 }
 
 /// Weight types `quantize` writes: (name, llama.cpp's file type).
-pub const QUANT_TYPES: [(&str, u32); 9] = [
+pub const QUANT_TYPES: [(&str, u32); 16] = [
     ("f16", sys::LLAMA_FTYPE_MOSTLY_F16),
     ("q8_0", sys::LLAMA_FTYPE_MOSTLY_Q8_0),
     ("q6_k", sys::LLAMA_FTYPE_MOSTLY_Q6_K),
     ("q5_k_m", sys::LLAMA_FTYPE_MOSTLY_Q5_K_M),
+    ("q5_k_s", sys::LLAMA_FTYPE_MOSTLY_Q5_K_S),
     ("q5_1", sys::LLAMA_FTYPE_MOSTLY_Q5_1),
     ("q5_0", sys::LLAMA_FTYPE_MOSTLY_Q5_0),
     ("q4_k_m", sys::LLAMA_FTYPE_MOSTLY_Q4_K_M),
+    ("q4_k_s", sys::LLAMA_FTYPE_MOSTLY_Q4_K_S),
     ("q4_1", sys::LLAMA_FTYPE_MOSTLY_Q4_1),
     ("q4_0", sys::LLAMA_FTYPE_MOSTLY_Q4_0),
+    ("iq4_xs", sys::LLAMA_FTYPE_MOSTLY_IQ4_XS),
+    ("iq4_nl", sys::LLAMA_FTYPE_MOSTLY_IQ4_NL),
+    ("q3_k_m", sys::LLAMA_FTYPE_MOSTLY_Q3_K_M),
+    ("q3_k_s", sys::LLAMA_FTYPE_MOSTLY_Q3_K_S),
+    ("q2_k", sys::LLAMA_FTYPE_MOSTLY_Q2_K),
 ];
 
 /// Write `input`'s weights as `ftype` (one of [`QUANT_TYPES`]) to `output` with llama.cpp's own
