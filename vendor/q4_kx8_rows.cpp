@@ -56,28 +56,97 @@ std::atomic<int64_t> fronted{ 0 };  // weights of models it sits in front of, fo
 // Per activation superblock: ggml's q8_K block and its 8 sums over 32 quants.
 inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(block_q8_K) + 8 * sizeof(int16_t)); }
 
-// A repacked superblock's sub-block j for the 8 columns, as ggml's gemv unpacks its 12 bytes (the
-// Q4_K packing, columns in the place of sub-blocks): 8 scales, then 8 minimums, as int16.
-inline __m256i scales_and_mins(const uint8_t * packed) {
-    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    uint32_t utmp[4];
-    std::memcpy(utmp, packed, 12);
-    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = utmp[1] & kmask1;
-    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= kmask1;
-    return _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-}
+// A repacked superblock's 6-bit scales and minimums, as the products meet them. Sub-block j's 12
+// bytes B (at 12j) pack the 8 columns' as a Q4_K block packs its 8 sub-blocks': column c < 4 has
+// scale B[c] & 63 and minimum B[4 + c] & 63; column c >= 4 has scale (B[4 + c] & 15) | (B[c - 4] >> 6)
+// << 4 and minimum (B[4 + c] >> 4) | (B[c] >> 6) << 4.
+#if defined(__AVX512VBMI__)
+// All 64 of each unpacked at once, byte 8j + c holding column c's in sub-block j.
+class superblock_scales {
+  public:
+    explicit superblock_scales(const block_q4_Kx8 & b) {
+        // per byte 8j + c: P = B[c], Q = B[4 + c], R = B[c - 4] (c >= 4) of sub-block j's bytes
+        alignas(64) static const struct tables {
+            uint8_t p[64], q[64], r[64];
+            tables() {
+                for (int j = 0; j < 8; ++j)
+                    for (int c = 0; c < 8; ++c) {
+                        p[8 * j + c] = (uint8_t) (12 * j + c);
+                        q[8 * j + c] = (uint8_t) (12 * j + 4 + c);
+                        r[8 * j + c] = (uint8_t) (12 * j + (c < 4 ? c : c - 4));
+                    }
+            }
+        } idx;
+        // the 96 bytes of scales (and, past them, quants that no index reaches)
+        const __m512i lo = _mm512_loadu_si512(b.scales), hi = _mm512_loadu_si512(b.scales + 64);
+        const __m512i p = _mm512_permutex2var_epi8(lo, _mm512_load_si512(idx.p), hi);
+        const __m512i q = _mm512_permutex2var_epi8(lo, _mm512_load_si512(idx.q), hi);
+        const __m512i r = _mm512_permutex2var_epi8(lo, _mm512_load_si512(idx.r), hi);
+        const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi8(0x3F), bits45 = _mm512_set1_epi8(0x30);
+        const __mmask64 high_columns = 0xF0F0F0F0F0F0F0F0ull;  // c >= 4
+        // (x >> 6) << 4 of each byte is (x >> 2) & 0x30 of its 16-bit lane
+        const __m512i s_high = _mm512_ternarylogic_epi32(q, low4, _mm512_and_si512(_mm512_srli_epi16(r, 2), bits45), 0xEA);  // (a & b) | c
+        const __m512i m_high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(q, 4), low4, _mm512_and_si512(_mm512_srli_epi16(p, 2), bits45), 0xEA);
+        s = _mm512_mask_blend_epi8(high_columns, _mm512_and_si512(p, low6), s_high);
+        m = _mm512_mask_blend_epi8(high_columns, _mm512_and_si512(q, low6), m_high);
+    }
+
+    // Sub-block j's scales for vpdpwssd: dword lane 2c + h holds column c's in its low 16 bits.
+    __m512i scale(int j) const {
+        const __m512i lane = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        return _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_add_epi32(lane, _mm512_set1_epi32(8 * j)), s);
+    }
+
+    // The minimums of sub-blocks 2k and 2k + 1 as int16 pairs, a dword lane per column.
+    __m256i min_pair(int k) const {
+        // byte 0 of lane c: sub-block 2k's minimum (byte 16k + c), byte 2: sub-block 2k + 1's (16k + 8 + c)
+        const __m256i lane = _mm256_set_epi32(0x000F0007, 0x000E0006, 0x000D0005, 0x000C0004, 0x000B0003, 0x000A0002, 0x00090001, 0x00080000);
+        return _mm256_maskz_permutexvar_epi8(0x55555555u, _mm256_add_epi8(lane, _mm256_set1_epi16((short) (16 * k))), _mm512_castsi512_si256(k < 2 ? m : _mm512_shuffle_i64x2(m, m, 0xEE)));
+    }
+
+  private:
+    __m512i s, m;
+};
+#else
+// Sub-block by sub-block, as ggml's gemv unpacks them (its utmp arithmetic): per sub-block the
+// 8 scales, then the 8 minimums, as int16.
+class superblock_scales {
+  public:
+    explicit superblock_scales(const block_q4_Kx8 & b) {
+        constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+        for (int j = 0; j < 8; ++j) {
+            uint32_t utmp[4];
+            std::memcpy(utmp, b.scales + 12 * j, 12);
+            utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+            const uint32_t uaux = utmp[1] & kmask1;
+            utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+            utmp[2] = uaux;
+            utmp[0] &= kmask1;
+            sm[j] = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+        }
+    }
+
+    __m512i scale(int j) const {
+        // word 2L of the permute: the scale of column L / 2 (a column's two dword lanes), word 2L + 1: a zero
+        const __m512i lane = _mm512_set_epi16(16, 7, 16, 7, 16, 6, 16, 6, 16, 5, 16, 5, 16, 4, 16, 4, 16, 3, 16, 3, 16, 2, 16, 2, 16, 1, 16, 1,
+                                              16, 0, 16, 0);
+        return _mm512_permutexvar_epi16(lane, _mm512_zextsi256_si512(sm[j]));
+    }
+
+    __m256i min_pair(int k) const {
+        const __m128i m0 = _mm256_extracti128_si256(sm[2 * k], 1), m1 = _mm256_extracti128_si256(sm[2 * k + 1], 1);
+        return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(m0, m1)), _mm_unpackhi_epi16(m0, m1), 1);
+    }
+
+  private:
+    __m256i sm[8];
+};
+#endif
 
 // One run of 8 columns times G activation rows (their q8_K superblocks `act`, their 32-wide sums
 // `sums32`), each output as ggml's gemv computes it; out[g] receives row g's 8 outputs.
 template <int G>
 void tile(int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act, const int16_t * const * sums32, float * const * out) {
-    // word 2L of the permute: the scale of column L / 2 (a column's two dword lanes), word 2L + 1: a zero
-    alignas(64) static const int16_t column_of_lane[32] = { 0, 16, 0, 16, 1, 16, 1, 16, 2, 16, 2, 16, 3, 16, 3, 16,
-                                                             4, 16, 4, 16, 5, 16, 5, 16, 6, 16, 6, 16, 7, 16, 7, 16 };
-    const __m512i lane_scale = _mm512_load_si512(column_of_lane);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m256 acc[G], acc_min[G];
     for (int g = 0; g < G; ++g) acc[g] = acc_min[g] = _mm256_setzero_ps();
@@ -86,16 +155,11 @@ void tile(int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act
         for (int line = 0; line < (int) sizeof(block_q4_Kx8); line += 64) {
             _mm_prefetch((const char *) (&b + PREFETCH_BLOCKS) + line, _MM_HINT_T0);
         }
-        // the minimums of sub-blocks 2k and 2k + 1, a dword lane per column, as int16 pairs
-        __m256i min_pairs[4];
+        const superblock_scales scales(b);
         __m512i dots[G];
         for (int g = 0; g < G; ++g) dots[g] = _mm512_setzero_si512();
         for (int sb = 0; sb < 4; ++sb) {
-            const __m256i sm0 = scales_and_mins(b.scales + 24 * sb), sm1 = scales_and_mins(b.scales + 24 * sb + 12);
-            const __m512i scale0 = _mm512_permutexvar_epi16(lane_scale, _mm512_zextsi256_si512(sm0));
-            const __m512i scale1 = _mm512_permutexvar_epi16(lane_scale, _mm512_zextsi256_si512(sm1));
-            const __m128i m0 = _mm256_extracti128_si256(sm0, 1), m1 = _mm256_extracti128_si256(sm1, 1);
-            min_pairs[sb] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(m0, m1)), _mm_unpackhi_epi16(m0, m1), 1);
+            const __m512i scale0 = scales.scale(2 * sb), scale1 = scales.scale(2 * sb + 1);
             // run r: 8 bytes of each column, its low nibbles weights 64sb + 8r + 0..7 (sub-block 2sb),
             // its high nibbles weights 64sb + 32 + 8r + 0..7 (sub-block 2sb + 1)
             __m512i lo[4], hi[4];
@@ -127,7 +191,7 @@ void tile(int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act
             for (int k = 0; k < 4; ++k) {
                 int32_t s;
                 std::memcpy(&s, sums32[g] + 8 * ib + 2 * k, 4);
-                mins = _mm256_dpwssd_epi32(mins, min_pairs[k], _mm256_set1_epi32(s));
+                mins = _mm256_dpwssd_epi32(mins, scales.min_pair(k), _mm256_set1_epi32(s));
             }
             const __m256 row_scale = _mm256_set1_ps(act[g][ib].d);
             acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(columns), _mm256_mul_ps(d, row_scale), acc[g]);
