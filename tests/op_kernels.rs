@@ -32,11 +32,22 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 /// whether this build has the kernel (the CPU features it needs).
 fn rounds_every_logit_as_ggml_does(kernel: OpKernel, built: bool) {
     let targets = [common::real_model(common::SMOLLM2), common::real_model(common::QWEN_05B)];
-    rounds_every_logit_of_targets_as_ggml_does(kernel, built, &targets);
+    rounds_every_logit_of_targets_as_ggml_does(kernel, built, &targets, Reference::Batched);
+}
+
+/// What ggml's logits are computed as.
+#[derive(Clone, Copy, PartialEq)]
+enum Reference {
+    /// The prompt as one batch, as the kernel's run decodes it (ggml's batch kernel rounds as its
+    /// single-row one).
+    Batched,
+    /// Every token alone: for a kernel that gives a batch the bits of ggml's single-row kernel
+    /// where ggml's own batch kernel rounds otherwise (its prompt batch would fill another cache).
+    SingleRows,
 }
 
 /// The same on `targets`, each loaded once.
-fn rounds_every_logit_of_targets_as_ggml_does(kernel: OpKernel, built: bool, targets: &[std::path::PathBuf]) {
+fn rounds_every_logit_of_targets_as_ggml_does(kernel: OpKernel, built: bool, targets: &[std::path::PathBuf], reference: Reference) {
     let _one_at_a_time = SWITCHING.lock().unwrap_or_else(|e| e.into_inner());
     dflash2::llama::install_kernels(); // as every target load does
     assert_eq!(kernel.is_on(), built, "{kernel:?} must be on exactly where it is built");
@@ -50,7 +61,10 @@ fn rounds_every_logit_of_targets_as_ggml_does(kernel: OpKernel, built: bool, tar
         for context in [120, tokens.len()] {
             let tokens = &tokens[..context];
             kernel.set(false);
-            let ggml = tail_logits(&model, tokens, 17, 1);
+            let ggml = match reference {
+                Reference::Batched => tail_logits(&model, tokens, 17, 1),
+                Reference::SingleRows => tail_logits(&model, tokens, context - 1, 1).split_off(context - 1 - 17),
+            };
             assert_eq!(kernel.set(built), built);
             for chunk in [1, 2, 3, 6, 17] {
                 let ours = tail_logits(&model, tokens, 17, chunk);
@@ -106,7 +120,7 @@ fn q4_0x8_kernel_rounds_every_logit_as_ggml_does() {
     }
     let repacked_here = built && !dflash2::llama::system_info().contains("AMX_INT8 = 1"); // AMX CPUs hold Q4_0 in AMX tiles instead
     let before = OpKernel::Q4_0x8Rows.taken().unwrap_or(0);
-    rounds_every_logit_of_targets_as_ggml_does(OpKernel::Q4_0x8Rows, built, &[q4_0]);
+    rounds_every_logit_of_targets_as_ggml_does(OpKernel::Q4_0x8Rows, built, &[q4_0], Reference::Batched);
     let taken = OpKernel::Q4_0x8Rows.taken().unwrap_or(0) - before;
     assert_eq!(taken, if repacked_here { 30 * 7 } else { 0 }, "the kernel sits in front of {taken} weights");
 }
@@ -129,20 +143,21 @@ fn q4_k_repacked_here() -> bool {
 /// Qwen2.5-Coder-0.5B's Q4_K_M keeps its 24 ffn_down weights (4864 wide, its only width that is a
 /// multiple of 256) half in Q4_K, half in Q6_K. ggml repacks the Q4_K ones into 8-column runs on AVX2
 /// CPUs, whose 4-row gemm rounds otherwise than its single-row gemv; dflash2's kernel gives every
-/// row the gemv's bits, so the load-time probe keeps the weights repacked (it had to drop repacking
-/// before) and the kernel sits in front of all 12 of them.
+/// row the gemv's bits (ggml's logits are taken one token at a time, the prompt's too), so the
+/// load-time probe keeps the weights repacked (it had to drop repacking before) and the kernel
+/// sits in front of all 12 of them.
 #[test]
 fn q4_kx8_kernel_rounds_every_logit_as_ggml_does() {
     let built = vnni();
     let before = OpKernel::Q4Kx8Rows.taken().unwrap_or(0);
-    rounds_every_logit_as_ggml_does(OpKernel::Q4Kx8Rows, built);
+    let qwen = common::real_model(common::QWEN_05B); // SmolLM2 has no Q4_K weights
+    rounds_every_logit_of_targets_as_ggml_does(OpKernel::Q4Kx8Rows, built, &[qwen.clone()], Reference::SingleRows);
     let taken = OpKernel::Q4Kx8Rows.taken().unwrap_or(0) - before;
-    let (smollm2, qwen) = (0, 12); // Q4_K weights of each test target (SmolLM2 has none)
-    assert_eq!(taken, if q4_k_repacked_here() { smollm2 + qwen } else { 0 }, "the kernel sits in front of {taken} weights");
+    assert_eq!(taken, if q4_k_repacked_here() { 12 } else { 0 }, "the kernel sits in front of {taken} weights");
     if q4_k_repacked_here() {
         dflash2::llama::install_kernels();
         let params = common::engine_params(2, dflash2::llama::CacheType::F16);
-        let (_, choice) = load_target(&common::real_model(common::QWEN_05B), 999, Repack::Auto, &params).unwrap();
+        let (_, choice) = load_target(&qwen, 999, Repack::Auto, &params).unwrap();
         assert!(choice.repack && choice.lossless, "the probe dropped repacking: {}", choice.reason);
     }
 }
@@ -162,7 +177,7 @@ fn kquant_kernel_rounds_every_logit_as_ggml_does() {
     for kind in ["Q5_K", "Q6_K"] {
         assert!(types.iter().any(|w| w.type_name == kind), "the requantized file has no {kind} weights: {types:?}");
     }
-    rounds_every_logit_of_targets_as_ggml_does(OpKernel::KQuantRows, built, &[common::real_model(common::QWEN_05B), q5_k_m]);
+    rounds_every_logit_of_targets_as_ggml_does(OpKernel::KQuantRows, built, &[common::real_model(common::QWEN_05B), q5_k_m], Reference::Batched);
 }
 
 const BLOCKS: [usize; 4] = [2, 4, 8, 16];

@@ -70,28 +70,18 @@ struct activation {
     const int32_t * neg_sums;  // 64, where the weight type has `offset`
 };
 
-// Where each 64-weight chunk's dword lanes find their scale for vpdpwssd (in their low half; word
-// 16, past the 16 scales, is a zero for the high half), built once: Q6_K's 16-wide groups (lane k of chunk q: group 4q + k/4)
-// and the 32-wide groups of Q4_K and Q5_K (group 2q + k/8).
-struct scale_indices {
-    __m512i g16[4], g32[4];
-    scale_indices() {
-        for (int q = 0; q < 4; ++q) {
-            alignas(64) int16_t a[32], b[32];
-            for (int k = 0; k < 16; ++k) {
-                a[2 * k] = (int16_t) (4 * q + k / 4);
-                b[2 * k] = (int16_t) (2 * q + k / 8);
-                a[2 * k + 1] = b[2 * k + 1] = 16;
-            }
-            g16[q] = _mm512_load_si512(a);
-            g32[q] = _mm512_load_si512(b);
-        }
-    }
-};
-const scale_indices & indices() {
-    static const scale_indices table;
-    return table;
+// Where chunk q's dword lane k finds its scale for vpdpwssd: word 2k of the permute is the scale's
+// index (`group` of k), word 2k + 1 a zero (word 16, past the 16 scales). A constant per q once the
+// callers' loops over q unroll.
+template <class Group> inline __m512i scale_index(int q, Group group) {
+    return _mm512_set_epi16(16, group(q, 15), 16, group(q, 14), 16, group(q, 13), 16, group(q, 12), 16, group(q, 11), 16, group(q, 10),
+                            16, group(q, 9), 16, group(q, 8), 16, group(q, 7), 16, group(q, 6), 16, group(q, 5), 16, group(q, 4), 16,
+                            group(q, 3), 16, group(q, 2), 16, group(q, 1), 16, group(q, 0));
 }
+// Q6_K's 16-wide groups (lane k of chunk q: group 4q + k/4) and the 32-wide groups of Q4_K and Q5_K
+// (group 2q + k/8).
+inline short group16(int q, int k) { return (short) (4 * q + k / 4); }
+inline short group32(int q, int k) { return (short) (2 * q + k / 8); }
 
 // A superblock's weights as the products meet them: four 64-weight chunks of unsigned bytes
 // (chunk q: weights 64q..64q+63, ggml's order) and each chunk's scales for vpdpwssd.
@@ -153,9 +143,8 @@ struct q6_K {
             out.w[2 * j + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), low4, top_high, 0xEA);
         }
         const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) b.scales));
-        const scale_indices & idx = indices();
         const __m512i table = _mm512_zextsi256_si512(sc);
-        for (int q = 0; q < 4; ++q) out.sc[q] = _mm512_permutexvar_epi16(idx.g16[q], table);
+        for (int q = 0; q < 4; ++q) out.sc[q] = _mm512_permutexvar_epi16(scale_index(q, group16), table);
         out.sc32 = _mm256_slli_epi16(sc, 5);
         out.d = _cvtsh_ss(b.d);
     }
@@ -190,9 +179,8 @@ struct k4_common {
             out.w[q] = _mm512_and_si512(_mm512_srlv_epi16(bytes, nibble), low4);
         }
         const __m256i sm = scales_and_mins_k4(scales);
-        const scale_indices & idx = indices();
         const __m512i table = _mm512_zextsi256_si512(sm);
-        for (int q = 0; q < 4; ++q) out.sc[q] = _mm512_permutexvar_epi16(idx.g32[q], table);
+        for (int q = 0; q < 4; ++q) out.sc[q] = _mm512_permutexvar_epi16(scale_index(q, group32), table);
         out.mins = _mm256_extracti128_si256(sm, 1);
         out.d = _cvtsh_ss(d);
         out.dmin = _cvtsh_ss(dmin);
