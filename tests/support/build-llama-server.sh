@@ -39,11 +39,19 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$bundled" ]; then
     rm -rf "${tree:?}/$part"
     cp -r "$bundled/$part" "$tree/$part"
   done
+  # The small fixes tools/server needs to compile against the bundled common/ (older than the
+  # sdist's): fs_open_ifstream is its newer helper, std::ifstream outside Windows.
+  if ! grep -q fs_open_ifstream "$tree/common/common.h"; then
+    sed -i 's/fs_open_ifstream(\(params.mcp_servers_config\), std::ios::in)/std::ifstream(\1, std::ios::in)/' "$tree/tools/server/server-mcp.cpp"
+  fi
   echo "$bundled" > "$stamp"
 fi
 
 cmake -S "$tree" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >"$work/configure.log"
-cmake --build "$work/build" --target llama-server -j "$(nproc)" >"$work/build.log"
+cmake --build "$work/build" --target llama-server -j "$(nproc)" >"$work/build.log" 2>&1 || {
+  grep -E "error" "$work/build.log" >&2
+  exit 1
+}
 echo "$work/build/bin/llama-server"
