@@ -52,7 +52,8 @@ int32_t         dflash2_set_f16_attention(bool on);
  * AVX512-VNNI. */
 int32_t         dflash2_set_q5_0_rows(bool on);
 int32_t         dflash2_set_q8_0_rows(bool on);
-/* The same for Q4_1 weights (rounding as ggml_vec_dot_q4_1_q8_1, minimums included). */
+/* The same for Q4_1 and Q5_1 weights (rounding as ggml_vec_dot_q4_1_q8_1 / _q5_1_q8_1, minimums
+ * included). */
 int32_t         dflash2_set_q4_1_rows(bool on);
 /* The count of outputs that differ from ggml's, over products of random weights of the type by
  * random activation rows (1-17 rows, widths 32-1536): 0 when they agree, -1 where not built, -3 on

@@ -1,19 +1,20 @@
-// Products of Q5_0, Q8_0 and Q4_1 weights with activation rows.
+// Products of Q5_0, Q8_0, Q4_1 and Q5_1 weights with activation rows.
 //
-// ggml has neither a repacked nor an AMX kernel for Q5_0, the type that K-quant files fall back to
-// for weights whose width is no multiple of 256 (most of Qwen2.5-0.5B's Q4_K_M), and on x86 it
-// repacks Q8_0 (a DFlash drafter's weights) and Q4_1 (SmolLM2's as shipped) only for AMX. It
-// multiplies them by calling ggml_vec_dot_q5_0_q8_0 / _q8_0_q8_0 / _q4_1_q8_1 once per (weight
+// ggml has neither a repacked nor an AMX kernel for Q5_0 and Q5_1, the types that Q4_K_M and Q5_K_M
+// files fall back to for weights whose width is no multiple of 256 (most of Qwen2.5-0.5B's), and on
+// x86 it repacks Q8_0 (a DFlash drafter's weights) and Q4_1 (SmolLM2's as shipped) only for AMX. It
+// multiplies them by calling ggml_vec_dot_q5_0_q8_0 / _q8_0_q8_0 / _q4_1_q8_1 / _q5_1_q8_1 once per (weight
 // row, activation row): per 32-wide block it takes the integer dot products of the weights (Q5_0's
 // unpacked to signed bytes) with the activations' q8_0 (q8_1) block in 8 lanes of 4, and adds them,
 // times the two blocks' scales, into 8 float accumulators (fused multiply-adds in block order),
-// reduced at the end as hsum_float_8 (Q4_1 adds its minimums' sum). On a 2-core Xeon that is 57% of
+// reduced at the end as hsum_float_8 (Q4_1 and Q5_1 add their minimums' sum). On a 2-core Xeon that is 57% of
 // a Qwen2.5-Coder-0.5B step (BENCHMARKS.md (n)); on a 2-core EPYC without AMX the drafter's Q8_0
 // products are most of its call (BENCHMARKS.md (p)).
 //
 // This kernel gives every output the value ggml's gives it: the same exact integer lane sums (here
 // the weights made unsigned, w + 16 for Q5_0 and w + 128 for Q8_0, times the activations, counted
-// from -16 or -128 times the activations' lane sums: ggml's signed product; Q4_1's are unsigned),
+// from -16 or -128 times the activations' lane sums: ggml's signed product; Q4_1's and Q5_1's are
+// unsigned),
 // the same scale product, the same chain of fused multiply-adds in block order, the same reduction.
 // What changes: the activations' scales and lane sums are prepared once per product; for several
 // activation rows each weight block is read once for up to four of them and four weight rows run
@@ -24,7 +25,7 @@
 //
 // Built for AVX-512 CPUs with VNNI (where ggml's dot products are its AVX2 ones) in the same
 // `-march=native` build as llama.cpp; elsewhere dflash2_set_q5_0_rows(), dflash2_set_q8_0_rows()
-// and dflash2_set_q4_1_rows() report that it is not built.
+// and dflash2_set_q4_1_rows() (Q4_1 and Q5_1) report that it is not built.
 
 #include "dflash2_shim.h"
 #include "cpu_extra.h"
@@ -68,19 +69,22 @@ template <int shift> struct q8_0_activations {
     }
 };
 
+// A Q5_0 or Q5_1 block's 5-bit numbers: the low nibbles of qs are weights 0..15, the high nibbles
+// 16..31, bit k of qh is weight k's fifth bit.
+template <class Block> inline __m256i five_bit_numbers(const Block & b) {
+    __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) b.qs));
+    bytes = _mm256_srlv_epi64(bytes, _mm256_set_epi64x(4, 4, 0, 0));
+    bytes = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+    uint32_t qh;
+    std::memcpy(&qh, b.qh, sizeof(qh));
+    return _mm256_mask_add_epi8(bytes, (__mmask32) qh, bytes, _mm256_set1_epi8(16));
+}
+
 struct q5_0 : q8_0_activations<4> {
     using block = block_q5_0;
     static constexpr ggml_type type = GGML_TYPE_Q5_0;
-    // The low nibbles of qs are weights 0..15, the high nibbles 16..31, bit k of qh is weight k's
-    // fifth bit: w + 16 is the 5-bit number itself.
-    static __m256i unsigned_weights(const block & b) {
-        __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) b.qs));
-        bytes = _mm256_srlv_epi64(bytes, _mm256_set_epi64x(4, 4, 0, 0));
-        bytes = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
-        uint32_t qh;
-        std::memcpy(&qh, b.qh, sizeof(qh));
-        return _mm256_mask_add_epi8(bytes, (__mmask32) qh, bytes, _mm256_set1_epi8(16));
-    }
+    // w + 16 is the 5-bit number itself
+    static __m256i unsigned_weights(const block & b) { return five_bit_numbers(b); }
 };
 
 struct q8_0 : q8_0_activations<7> {
@@ -112,6 +116,14 @@ struct q4_1 {
             sums[b] = _cvtsh_ss(quants[b].s);
         }
     }
+};
+
+// ggml_vec_dot_q5_1_q8_1: Q4_1's arithmetic (unsigned weights, the minimums' part summed as Q4_1's)
+// with Q5_0's 5-bit numbers.
+struct q5_1 : q4_1 {
+    using block = block_q5_1;
+    static constexpr ggml_type type = GGML_TYPE_Q5_1;
+    static __m256i unsigned_weights(const block & b) { return five_bit_numbers(b); }
 };
 
 
@@ -245,6 +257,7 @@ template <class W> class rows_traits : public ggml::cpu::tensor_traits {
 dflash2::op_kernel<rows_traits<q5_0>> q5_0_kernel{ "DFLASH2_Q5_0_ROWS" };
 dflash2::op_kernel<rows_traits<q8_0>> q8_0_kernel{ "DFLASH2_Q8_0_ROWS" };
 dflash2::op_kernel<rows_traits<q4_1>> q4_1_kernel{ "DFLASH2_Q4_1_ROWS" };
+dflash2::op_kernel<rows_traits<q5_1>> q5_1_kernel{ "DFLASH2_Q5_1_ROWS" };
 
 // Random W weights (with some weights at the ends of their range) times random activation rows
 // (one of them all zeros), of the drafters' and targets' widths, through ggml's product and the
@@ -306,7 +319,8 @@ extern "C" int32_t dflash2_set_q8_0_rows(bool on) {
 
 extern "C" int32_t dflash2_set_q4_1_rows(bool on) {
 #if DFLASH2_QUANT_ROWS
-    return q4_1_kernel.set(on);
+    const int32_t q4_1 = q4_1_kernel.set(on), q5_1 = q5_1_kernel.set(on);
+    return q4_1 == q5_1 ? q4_1 : 0;
 #else
     (void) on;
     return -1;
@@ -315,7 +329,9 @@ extern "C" int32_t dflash2_set_q4_1_rows(bool on) {
 
 extern "C" int64_t dflash2_q4_1_rows_differences(uint32_t seed, int32_t n_threads) {
 #if DFLASH2_QUANT_ROWS
-    return seeded_differences(q4_1_kernel, seed, n_threads);
+    const int64_t q4_1 = seeded_differences(q4_1_kernel, seed, n_threads);
+    const int64_t q5_1 = seeded_differences(q5_1_kernel, seed, n_threads);
+    return q4_1 < 0 ? q4_1 : q5_1 < 0 ? q5_1 : q4_1 + q5_1;
 #else
     (void) seed, (void) n_threads;
     return -1;

@@ -142,9 +142,10 @@ pub enum OpKernel {
     /// IQ4_XS files keep the weights whose width is no multiple of 256 in IQ4_NL. One row stays
     /// ggml's. Built for AVX512-VNNI.
     Iq4NlX8Rows,
-    /// Products of Q4_1 weights (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`], the blocks'
-    /// minimums added as ggml adds them): SmolLM2's Q4_1 on AVX2 CPUs without AMX, where ggml
-    /// has no repacked layout for them. Built for AVX512-VNNI.
+    /// Products of Q4_1 and Q5_1 weights (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`], the
+    /// blocks' minimums added as ggml adds them): SmolLM2's Q4_1 on AVX2 CPUs without AMX, where
+    /// ggml has no repacked layout for them, and Q5_K_M files' fallback for widths that are no
+    /// multiple of 256. Built for AVX512-VNNI.
     Q4_1Rows,
     /// Products of the Q4_K, Q5_K, Q6_K and IQ4_XS weights ggml keeps unrepacked (vendor/kquant_rows.cpp):
     /// each superblock unpacked once for up to 8 rows, one vpdpbusd and one vpdpwssd per 64
@@ -203,7 +204,7 @@ impl OpKernel {
             OpKernel::Q4_0x8Rows => "products of repacked Q4_0 weights with several rows",
             OpKernel::Q4Kx8Rows => "products of repacked Q4_K weights",
             OpKernel::Iq4NlX8Rows => "products of repacked IQ4_NL weights with several rows",
-            OpKernel::Q4_1Rows => "products of Q4_1 weights",
+            OpKernel::Q4_1Rows => "products of Q4_1 and Q5_1 weights",
             OpKernel::KQuantRows => "products of unrepacked Q4_K, Q5_K, Q6_K and IQ4_XS weights",
             OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
             OpKernel::DrafterOps => "a DFlash drafter's fills, pads, top-k, scatters, repeats and broadcasts",
