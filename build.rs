@@ -19,7 +19,7 @@ const KERNELS: &[&str] = &[
     "vendor/drafter_rows.cpp",
     "vendor/f16_attention.cpp",
     "vendor/kquant_rows.cpp",
-    "vendor/q4_kx8_rows.cpp",
+    "vendor/kx8_rows.cpp",
     "vendor/q4_x8_rows.cpp",
     "vendor/q8_0_attention.cpp",
     "vendor/quant_rows.cpp",

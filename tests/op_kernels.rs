@@ -1,5 +1,5 @@
 //! dflash2's op kernels (vendor/f16_attention.cpp, vendor/quant_rows.cpp, vendor/kquant_rows.cpp,
-//! vendor/q4_x8_rows.cpp, vendor/q4_kx8_rows.cpp, vendor/drafter_conv.cpp, vendor/drafter_ops.cpp,
+//! vendor/q4_x8_rows.cpp, vendor/kx8_rows.cpp, vendor/drafter_conv.cpp, vendor/drafter_ops.cpp,
 //! vendor/q8_0_attention.cpp) must give every output the bits ggml's own
 //! kernels give it; the drafter's integer products (vendor/drafter_rows.cpp) must give each output
 //! the bits of their own scheme, never touch a target, and keep the drafter's candidates. The
@@ -366,6 +366,7 @@ fn kernels_round_every_output_as_ggml_does_on_random_inputs() {
         OpKernel::Q4_0x8Rows,
         OpKernel::Q4Kx8Rows,
         OpKernel::Iq4NlX8Rows,
+        OpKernel::Q2Kx8Rows,
         OpKernel::Q4_1Rows,
         OpKernel::KQuantRows,
         OpKernel::Q8_0Rows,

@@ -93,22 +93,26 @@ int64_t         dflash2_iq4_nlx8_rows_fronted(void);
 int64_t         dflash2_q4_0x8_rows_differences(uint32_t seed, int32_t n_threads);
 int64_t         dflash2_iq4_nlx8_rows_differences(uint32_t seed, int32_t n_threads);
 
-/* ---- Q4_K weights repacked for AVX2 (vendor/q4_kx8_rows.cpp) ----
- * Puts a kernel in front of ggml's for model's Q4_K weights that ggml repacked into 8-column runs
- * (block_q4_Kx8): products of any number of f32 rows, every output rounded as ggml's single-row
- * gemv (ggml_gemv_q4_K_8x8_q8_K) rounds it (ggml's gemm for 4 rows at a time rounds otherwise), each
- * run's quants unpacked once for up to 8 rows. Returns how many weights it took (0: none so
- * repacked), or -1 where this build has no AVX512-VNNI. */
+/* ---- Q4_K (and Q2_K) weights repacked for AVX2 (AVX-512) (vendor/kx8_rows.cpp) ----
+ * Puts a kernel in front of ggml's for model's Q4_K (Q2_K) weights that ggml repacked into 8-column
+ * runs (block_q4_Kx8, block_q2_Kx8): products of any number of f32 rows, every output rounded as
+ * ggml's single-row gemv (ggml_gemv_q4_K_8x8_q8_K, _q2_K_) rounds it (ggml's gemm for 4 rows at a
+ * time rounds otherwise), each run's quants unpacked once for up to 8 rows. Returns how many
+ * weights it took (0: none so repacked), or -1 where this build has no AVX512-VNNI. */
 int32_t         dflash2_model_q4_kx8_rows(struct llama_model * model);
-/* Switches that kernel for the whole process (off: ggml's own); as above, only while nothing in the
- * process computes. Returns 1 when on, 0 when off, -1 where not built. */
+int32_t         dflash2_model_q2_kx8_rows(struct llama_model * model);
+/* Switch that kernel for the whole process (off: ggml's own); as above, only while nothing in the
+ * process computes. Return 1 when on, 0 when off, -1 where not built. */
 int32_t         dflash2_set_q4_kx8_rows(bool on);
+int32_t         dflash2_set_q2_kx8_rows(bool on);
 /* Model weights the kernel was put in front of in this process (-1 where not built). */
 int64_t         dflash2_q4_kx8_rows_fronted(void);
-/* The count of outputs that differ from ggml's gemv of their row alone, over random Q4_K weights
- * ggml repacked times random activation rows (1-33 rows, 8-136 columns): 0 when they agree, -1 where
- * not built, -2 where ggml did not repack them so, -3 on an error. */
+int64_t         dflash2_q2_kx8_rows_fronted(void);
+/* The count of outputs that differ from ggml's gemv of their row alone, over random weights ggml
+ * repacked times random activation rows (1-33 rows, 8-136 columns): 0 when they agree, -1 where not
+ * built, -2 where ggml did not repack them so, -3 on an error. */
 int64_t         dflash2_q4_kx8_rows_differences(uint32_t seed, int32_t n_threads);
+int64_t         dflash2_q2_kx8_rows_differences(uint32_t seed, int32_t n_threads);
 
 /* ---- the DFlash drafter graph's small ops (vendor/drafter_ops.cpp) ----
  * Makes ggml's CPU backend run the fills of rows under 16 wide, the zero pads, the top-k over

@@ -267,27 +267,5 @@ template <class W> int64_t differences(std::mt19937 & rng, int n_threads) {
 }  // namespace
 #endif
 
-// The C entries of each weight type's kernel (dflash2_shim.h).
-#if DFLASH2_Q4_0X8_ROWS
-#define REPACKED_ROWS_ENTRIES(name, W)                                                                                              \
-    extern "C" int32_t dflash2_model_##name##_rows(struct llama_model * model) {                                                 \
-        return dflash2::put_in_front_of_model<kernel<W>>(model, fronted<W>);                                                      \
-    }                                                                                                                             \
-    extern "C" int32_t dflash2_set_##name##_rows(bool on) {                                                                       \
-        enabled<W>.store(on, std::memory_order_relaxed);                                                                          \
-        return on ? 1 : 0;                                                                                                        \
-    }                                                                                                                             \
-    extern "C" int64_t dflash2_##name##_rows_fronted(void) { return fronted<W>.load(std::memory_order_relaxed); }                 \
-    extern "C" int64_t dflash2_##name##_rows_differences(uint32_t seed, int32_t n_threads) {                                      \
-        return dflash2::seeded_check(enabled<W>, seed, [&](std::mt19937 & rng) { return differences<W>(rng, n_threads); });      \
-    }
-#else
-#define REPACKED_ROWS_ENTRIES(name, W)                                                                                              \
-    extern "C" int32_t dflash2_model_##name##_rows(struct llama_model *) { return -1; }                                          \
-    extern "C" int32_t dflash2_set_##name##_rows(bool) { return -1; }                                                             \
-    extern "C" int64_t dflash2_##name##_rows_fronted(void) { return -1; }                                                         \
-    extern "C" int64_t dflash2_##name##_rows_differences(uint32_t, int32_t) { return -1; }
-#endif
-
-REPACKED_ROWS_ENTRIES(q4_0x8, q4_0)
-REPACKED_ROWS_ENTRIES(iq4_nlx8, iq4_nl)
+DFLASH2_REPACKED_ROWS_ENTRIES(DFLASH2_Q4_0X8_ROWS, q4_0x8, q4_0)
+DFLASH2_REPACKED_ROWS_ENTRIES(DFLASH2_Q4_0X8_ROWS, iq4_nlx8, iq4_nl)

@@ -1,5 +1,5 @@
 // dflash2's kernels for weights that ggml repacked (its CPU_REPACK buffer: vendor/q4_x8_rows.cpp,
-// vendor/q4_kx8_rows.cpp). ggml keeps the traits of such a weight in `tensor->extra` and asks them
+// vendor/kx8_rows.cpp). ggml keeps the traits of such a weight in `tensor->extra` and asks them
 // before any extra buffer type, so these kernels do not plug in as one (vendor/cpu_extra.h): they
 // sit in front of those traits, weight by weight, when a target loads.
 #pragma once
@@ -113,3 +113,26 @@ template <class Check> int64_t seeded_check(std::atomic<bool> & enabled, uint32_
 }
 
 }  // namespace dflash2
+
+// The four C entries (vendor/dflash2_shim.h) of a weight type W's kernel in a file that defines, in
+// an anonymous namespace, the templates kernel<W>, enabled<W>, fronted<W> and differences<W>, built
+// where `built` (the file's feature test) is 1; elsewhere they report that they are not built (-1).
+#define DFLASH2_REPACKED_ROWS_ENTRIES(built, name, W) DFLASH2_REPACKED_ROWS_ENTRIES_(built, name, W)
+#define DFLASH2_REPACKED_ROWS_ENTRIES_(built, name, W) DFLASH2_REPACKED_ROWS_ENTRIES_##built(name, W)
+#define DFLASH2_REPACKED_ROWS_ENTRIES_1(name, W)                                                                                    \
+    extern "C" int32_t dflash2_model_##name##_rows(struct llama_model * model) {                                                 \
+        return dflash2::put_in_front_of_model<kernel<W>>(model, fronted<W>);                                                      \
+    }                                                                                                                             \
+    extern "C" int32_t dflash2_set_##name##_rows(bool on) {                                                                       \
+        enabled<W>.store(on, std::memory_order_relaxed);                                                                          \
+        return on ? 1 : 0;                                                                                                        \
+    }                                                                                                                             \
+    extern "C" int64_t dflash2_##name##_rows_fronted(void) { return fronted<W>.load(std::memory_order_relaxed); }                 \
+    extern "C" int64_t dflash2_##name##_rows_differences(uint32_t seed, int32_t n_threads) {                                      \
+        return dflash2::seeded_check(enabled<W>, seed, [&](std::mt19937 & rng) { return differences<W>(rng, n_threads); });      \
+    }
+#define DFLASH2_REPACKED_ROWS_ENTRIES_0(name, W)                                                                                    \
+    extern "C" int32_t dflash2_model_##name##_rows(struct llama_model *) { return -1; }                                          \
+    extern "C" int32_t dflash2_set_##name##_rows(bool) { return -1; }                                                             \
+    extern "C" int64_t dflash2_##name##_rows_fronted(void) { return -1; }                                                         \
+    extern "C" int64_t dflash2_##name##_rows_differences(uint32_t, int32_t) { return -1; }

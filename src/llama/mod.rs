@@ -63,6 +63,7 @@ pub const NO_Q5_0_ROWS: &str = "DFLASH2_NO_Q5_0_ROWS";
 pub const NO_Q4_0X8_ROWS: &str = "DFLASH2_NO_Q4_0X8_ROWS";
 pub const NO_Q4_KX8_ROWS: &str = "DFLASH2_NO_Q4_KX8_ROWS";
 pub const NO_IQ4_NLX8_ROWS: &str = "DFLASH2_NO_IQ4_NLX8_ROWS";
+pub const NO_Q2_KX8_ROWS: &str = "DFLASH2_NO_Q2_KX8_ROWS";
 pub const NO_Q4_1_ROWS: &str = "DFLASH2_NO_Q4_1_ROWS";
 pub const NO_KQUANT_ROWS: &str = "DFLASH2_NO_KQUANT_ROWS";
 pub const NO_DRAFTER_OPS: &str = "DFLASH2_NO_DRAFTER_OPS";
@@ -74,7 +75,7 @@ pub const NO_DRAFTER_CONV: &str = "DFLASH2_NO_DRAFTER_CONV";
 /// probe cache keys on them (a drafter's integer products, [`OpKernel::DrafterRows`], never run
 /// for a target).
 pub const KERNEL_SWITCHES: &[&str] =
-    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_Q4_KX8_ROWS, NO_IQ4_NLX8_ROWS, NO_Q4_1_ROWS, NO_KQUANT_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
+    &[NO_FEW_ROW_KERNELS, NO_F16_ATTENTION, NO_Q5_0_ROWS, NO_Q4_0X8_ROWS, NO_Q4_KX8_ROWS, NO_IQ4_NLX8_ROWS, NO_Q2_KX8_ROWS, NO_Q4_1_ROWS, NO_KQUANT_ROWS, NO_DRAFTER_CONV, NO_DRAFTER_OPS, NO_Q8_0_ATTENTION, NO_Q8_0_ROWS];
 
 /// Whether this build of llama.cpp can offload layers to a GPU (CUDA, Metal, Vulkan builds).
 pub fn gpu_offload_supported() -> bool {
@@ -131,7 +132,7 @@ pub enum OpKernel {
     /// it before (`Model::load`); one row stays ggml's. Built for AVX512-VNNI.
     Q4_0x8Rows,
     /// Products of any number of rows with the Q4_K weights ggml repacks into 8-column runs on AVX2
-    /// CPUs (vendor/q4_kx8_rows.cpp), every row rounded as ggml's single-row gemv rounds it (its
+    /// CPUs (vendor/kx8_rows.cpp), every row rounded as ggml's single-row gemv rounds it (its
     /// 4-row gemm does not): each run unpacked once for up to 8 rows, 16 products a lane in one
     /// vpdpbusd chain, one vpdpwssd for the sub-block's scale. With it the probe keeps Q4_K_M
     /// targets repacked. It sits in front of ggml's traits of the weights that a target load puts it
@@ -142,6 +143,10 @@ pub enum OpKernel {
     /// IQ4_XS files keep the weights whose width is no multiple of 256 in IQ4_NL. One row stays
     /// ggml's. Built for AVX512-VNNI.
     Iq4NlX8Rows,
+    /// Products of any number of rows with the Q2_K weights ggml repacks into 8-column runs on
+    /// AVX-512 CPUs (vendor/kx8_rows.cpp, as [`OpKernel::Q4Kx8Rows`]): Q2_K and Q3_K_S-style files.
+    /// Built for AVX512-VNNI.
+    Q2Kx8Rows,
     /// Products of Q4_1 and Q5_1 weights (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`], the
     /// blocks' minimums added as ggml adds them): SmolLM2's Q4_1 on AVX2 CPUs without AMX, where
     /// ggml has no repacked layout for them, and Q5_K_M files' fallback for widths that are no
@@ -179,14 +184,15 @@ impl OpKernel {
     /// In the order ggml asks them whether they take an op: the drafter's convolutions before the
     /// drafter ops that take some of their ops, the drafter's integer products before the Q8_0
     /// products that would take the same weights. ([`OpKernel::Q4_0x8Rows`],
-    /// [`OpKernel::Q4Kx8Rows`] and [`OpKernel::Iq4NlX8Rows`] are not asked: they sit in front of the
-    /// traits ggml keeps with each repacked weight.)
-    pub const ALL: [OpKernel; 12] = [
+    /// [`OpKernel::Q4Kx8Rows`], [`OpKernel::Iq4NlX8Rows`] and [`OpKernel::Q2Kx8Rows`] are not asked:
+    /// they sit in front of the traits ggml keeps with each repacked weight.)
+    pub const ALL: [OpKernel; 13] = [
         OpKernel::F16Attention,
         OpKernel::Q5_0Rows,
         OpKernel::Q4_0x8Rows,
         OpKernel::Q4Kx8Rows,
         OpKernel::Iq4NlX8Rows,
+        OpKernel::Q2Kx8Rows,
         OpKernel::Q4_1Rows,
         OpKernel::KQuantRows,
         OpKernel::DrafterConv,
@@ -204,6 +210,7 @@ impl OpKernel {
             OpKernel::Q4_0x8Rows => "products of repacked Q4_0 weights with several rows",
             OpKernel::Q4Kx8Rows => "products of repacked Q4_K weights",
             OpKernel::Iq4NlX8Rows => "products of repacked IQ4_NL weights with several rows",
+            OpKernel::Q2Kx8Rows => "products of repacked Q2_K weights",
             OpKernel::Q4_1Rows => "products of Q4_1 and Q5_1 weights",
             OpKernel::KQuantRows => "products of unrepacked Q4_K, Q5_K, Q6_K and IQ4_XS weights",
             OpKernel::DrafterConv => "a DFlash 2 drafter's convolutions as one op each",
@@ -222,6 +229,7 @@ impl OpKernel {
             OpKernel::Q4_0x8Rows => "q4_0x8_rows",
             OpKernel::Q4Kx8Rows => "q4_kx8_rows",
             OpKernel::Iq4NlX8Rows => "iq4_nlx8_rows",
+            OpKernel::Q2Kx8Rows => "q2_kx8_rows",
             OpKernel::Q4_1Rows => "q4_1_rows",
             OpKernel::KQuantRows => "kquant_rows",
             OpKernel::DrafterConv => "drafter_conv",
@@ -240,6 +248,7 @@ impl OpKernel {
             OpKernel::Q4_0x8Rows => NO_Q4_0X8_ROWS,
             OpKernel::Q4Kx8Rows => NO_Q4_KX8_ROWS,
             OpKernel::Iq4NlX8Rows => NO_IQ4_NLX8_ROWS,
+            OpKernel::Q2Kx8Rows => NO_Q2_KX8_ROWS,
             OpKernel::Q4_1Rows => NO_Q4_1_ROWS,
             OpKernel::KQuantRows => NO_KQUANT_ROWS,
             OpKernel::DrafterConv => NO_DRAFTER_CONV,
@@ -261,6 +270,7 @@ impl OpKernel {
                 OpKernel::Q4_0x8Rows => shim::dflash2_set_q4_0x8_rows(on),
                 OpKernel::Q4Kx8Rows => shim::dflash2_set_q4_kx8_rows(on),
                 OpKernel::Iq4NlX8Rows => shim::dflash2_set_iq4_nlx8_rows(on),
+                OpKernel::Q2Kx8Rows => shim::dflash2_set_q2_kx8_rows(on),
                 OpKernel::Q4_1Rows => shim::dflash2_set_q4_1_rows(on),
                 OpKernel::KQuantRows => shim::dflash2_set_kquant_rows(on),
                 OpKernel::DrafterConv => shim::dflash2_set_drafter_conv(on),
@@ -291,6 +301,7 @@ impl OpKernel {
                 OpKernel::Q4_0x8Rows => shim::dflash2_q4_0x8_rows_differences(seed, threads),
                 OpKernel::Q4Kx8Rows => shim::dflash2_q4_kx8_rows_differences(seed, threads),
                 OpKernel::Iq4NlX8Rows => shim::dflash2_iq4_nlx8_rows_differences(seed, threads),
+                OpKernel::Q2Kx8Rows => shim::dflash2_q2_kx8_rows_differences(seed, threads),
                 OpKernel::Q4_1Rows => shim::dflash2_q4_1_rows_differences(seed, threads),
                 OpKernel::KQuantRows => shim::dflash2_kquant_rows_differences(seed, threads),
                 OpKernel::Q8_0Rows => shim::dflash2_q8_0_rows_differences(seed, threads),
@@ -317,13 +328,14 @@ impl OpKernel {
     /// others): [`OpKernel::DrafterRows`] the drafter weights it multiplied (once per weight and
     /// adoption; 0 where none went through it: a CPU without VNNI, or ggml's AMX backend holds the
     /// drafter's weights), [`OpKernel::DrafterConv`] the convolutions it computed,
-    /// [`OpKernel::Q4_0x8Rows`], [`OpKernel::Q4Kx8Rows`] and [`OpKernel::Iq4NlX8Rows`] the repacked
-    /// Q4_0 (Q4_K, IQ4_NL) weights of loaded models they sit in front of.
+    /// [`OpKernel::Q4_0x8Rows`], [`OpKernel::Q4Kx8Rows`], [`OpKernel::Iq4NlX8Rows`] and
+    /// [`OpKernel::Q2Kx8Rows`] the repacked weights of loaded models they sit in front of.
     pub fn taken(self) -> Option<u64> {
         let n = match self {
             OpKernel::Q4_0x8Rows => unsafe { shim::dflash2_q4_0x8_rows_fronted() },
             OpKernel::Q4Kx8Rows => unsafe { shim::dflash2_q4_kx8_rows_fronted() },
             OpKernel::Iq4NlX8Rows => unsafe { shim::dflash2_iq4_nlx8_rows_fronted() },
+            OpKernel::Q2Kx8Rows => unsafe { shim::dflash2_q2_kx8_rows_fronted() },
             OpKernel::DrafterRows => unsafe { shim::dflash2_drafter_rows_made() },
             OpKernel::DrafterConv => unsafe { shim::dflash2_drafter_conv_computed() },
             _ => return None,

@@ -93,10 +93,11 @@ impl Model {
         if few_row_weights > 0 {
             tracing::debug!("{shown}: {few_row_weights} AMX weights take few-row products");
         }
-        // Q4_0, IQ4_NL and Q4_K weights repacked into 8-column runs (AVX2 CPUs without AMX):
-        // products of several rows (any number for Q4_K) through dflash2's kernels while they are
-        // on ([`super::OpKernel::Q4_0x8Rows`], [`super::OpKernel::Iq4NlX8Rows`],
-        // [`super::OpKernel::Q4Kx8Rows`]), rounding as ggml's single-row gemv does.
+        // Q4_0, IQ4_NL, Q4_K and Q2_K weights repacked into 8-column runs (AVX2 CPUs without AMX;
+        // Q2_K on AVX-512): products of several rows (any number for the K-quants) through dflash2's
+        // kernels while they are on ([`super::OpKernel::Q4_0x8Rows`], [`super::OpKernel::Iq4NlX8Rows`],
+        // [`super::OpKernel::Q4Kx8Rows`], [`super::OpKernel::Q2Kx8Rows`]), rounding as ggml's
+        // single-row gemv does.
         if params.repack {
             let n = unsafe { shim::dflash2_model_q4_0x8_rows(ptr.as_ptr()) };
             if n > 0 {
@@ -109,6 +110,10 @@ impl Model {
             let n = unsafe { shim::dflash2_model_iq4_nlx8_rows(ptr.as_ptr()) };
             if n > 0 {
                 tracing::debug!("{shown}: {n} repacked IQ4_NL weights take dflash2's several-row products");
+            }
+            let n = unsafe { shim::dflash2_model_q2_kx8_rows(ptr.as_ptr()) };
+            if n > 0 {
+                tracing::debug!("{shown}: {n} repacked Q2_K weights take dflash2's products");
             }
         }
         Ok(Self { ptr, vocab, path: shown, repacked: params.repack, few_row_weights, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default(), verify_tolerance: Default::default() })

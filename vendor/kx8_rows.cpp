@@ -1,25 +1,26 @@
-// Products of the Q4_K weights ggml repacks for AVX2 CPUs (block_q4_Kx8) with activation rows.
+// Products of the K-quant weights ggml repacks for AVX2 CPUs (block_q4_Kx8; block_q2_Kx8, which it
+// repacks on AVX-512 CPUs) with activation rows.
 //
-// ggml repacks a Q4_K weight into runs of 8 columns (block_q4_Kx8: the 8 columns' superblock scales
-// and minimum scales, their 6-bit sub-block scales and minimums packed per sub-block, and their
-// quants interleaved 8 bytes at a time) and multiplies it by one activation row with
-// ggml_gemv_q4_K_8x8_q8_K: per superblock and column, the exact integers sum(scale_j * dot_j) and
-// sum(min_j * (the activations' sum over sub-block j)), then acc = fma(float(dots), d * y.d, acc) and
-// acc_min = fma(float(mins), dmin * y.d, acc_min), the superblocks in order, and acc - acc_min. Its
-// gemm for four rows at a time rounds differently (0.4 in a Qwen2.5-Coder-1.5B logit on a 2-core
-// EPYC), so a target whose verifies must reproduce single steps was loaded unrepacked, 36% slower.
+// ggml repacks a Q4_K (Q2_K) weight into runs of 8 columns (the 8 columns' superblock scales and
+// minimum scales, their sub-block scales and minimums, and their quants interleaved 8 bytes at a
+// time) and multiplies it by one activation row with ggml_gemv_q4_K_8x8_q8_K (_q2_K_): per
+// superblock and column, the exact integers sum(scale_j * dot_j) and sum(min_j * (the activations'
+// sum over sub-block j)), then acc = fma(float(dots), d * y.d, acc) and acc_min = fma(float(mins),
+// dmin * y.d, acc_min), the superblocks in order, and acc - acc_min. Its gemm for four rows at a time
+// rounds differently (0.4 in a Qwen2.5-Coder-1.5B logit on a 2-core EPYC), so a target whose
+// verifies must reproduce single steps was loaded unrepacked, 36% slower.
 //
 // This kernel gives every output the gemv's bits, for any number of rows: the same integers,
 // counted otherwise, and the same float operations. A 64-byte run of the repacked quants holds 8
 // bytes of each of 8 columns (one column's dword lanes 2c and 2c + 1, 4 weights each); each nibble
-// half meets the activations' 8 matching quants, broadcast to every qword, in one vpdpbusd (four
-// runs: 16 products a lane, which fit 16 bits), and one vpdpwssd multiplies the lanes by their
-// column's sub-block scale; a column's two lanes are added once per superblock. Each run is
-// unpacked once for up to 8 activation rows. It sits in front of ggml's traits of the weights that
-// a target load puts it before (vendor/repacked.h).
+// (2-bit field) of it meets the activations' 8 matching quants, broadcast to every qword, in one
+// vpdpbusd (16 products a lane for a Q4_K sub-block, 8 for Q2_K's, which fit 16 bits), and one
+// vpdpwssd multiplies the lanes by their column's sub-block scale; a column's two lanes are added
+// once per superblock. Each run is unpacked once for up to 8 activation rows. It sits in front of
+// ggml's traits of the weights that a target load puts it before (vendor/repacked.h).
 //
 // Built for AVX-512 CPUs with VNNI in the same `-march=native` build as llama.cpp; elsewhere
-// dflash2_set_q4_kx8_rows() reports that it is not built.
+// dflash2_set_q4_kx8_rows() and dflash2_set_q2_kx8_rows() report that it is not built.
 
 #include "dflash2_shim.h"
 #include "repacked.h"
@@ -29,20 +30,20 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#define DFLASH2_Q4_KX8_ROWS 1
+#define DFLASH2_KX8_ROWS 1
 #include "ggml-cpu/quants.h"  // quantize_row_q8_K (ggml's quantizer for the activations)
 #include <immintrin.h>
 #else
-#define DFLASH2_Q4_KX8_ROWS 0
+#define DFLASH2_KX8_ROWS 0
 #endif
 
-#if DFLASH2_Q4_KX8_ROWS
+#if DFLASH2_KX8_ROWS
 namespace {
 
 constexpr int QK = 256;
 // Activation rows that one unpacking of a run serves (their integer lanes stay in registers).
 constexpr int MAX_TILE_ROWS = 8;
-// How far ahead of its reads a tile asks for the run's superblocks (1168 bytes each).
+// How far ahead of its reads a tile asks for the run's superblocks (1168 bytes each for Q4_K).
 constexpr int PREFETCH_BLOCKS = 2;
 // Runs of 8 columns that meet every group of activation rows before the next runs are read (a
 // prompt's many groups then find them in L2 rather than in memory): about 256 KB of weights.
@@ -50,11 +51,24 @@ constexpr size_t RUN_BYTES = size_t(256) << 10;
 // The largest work buffer the kernel asks for (a prompt batch is the most); beyond, ggml's own.
 constexpr size_t MAX_WORK = size_t(64) << 20;
 
-std::atomic<bool> enabled{ false };
-std::atomic<int64_t> fronted{ 0 };  // weights of models it sits in front of, for reports
+template <class W> std::atomic<bool> enabled{ false };
+template <class W> std::atomic<int64_t> fronted{ 0 };  // weights of models it sits in front of, for reports
 
 // Per activation superblock: ggml's q8_K block and its 8 sums over 32 quants.
 inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * blocks) * (sizeof(block_q8_K) + 8 * sizeof(int16_t)); }
+
+// 8 activation quants broadcast to every qword (a column's two dword lanes meet 4 each); 2 int16
+// broadcast to every dword.
+inline __m512i broadcast8(const int8_t * q8) {
+    int64_t v;
+    std::memcpy(&v, q8, sizeof(v));
+    return _mm512_set1_epi64(v);
+}
+inline __m256i broadcast4(const int16_t * pair) {
+    int32_t v;
+    std::memcpy(&v, pair, sizeof(v));
+    return _mm256_set1_epi32(v);
+}
 
 // A repacked superblock's 6-bit scales and minimums, as the products meet them. Sub-block j's 12
 // bytes B (at 12j) pack the 8 columns' as a Q4_K block packs its 8 sub-blocks': column c < 4 has
@@ -62,9 +76,9 @@ inline size_t work_for(int64_t rows, int64_t blocks) { return size_t(rows * bloc
 // << 4 and minimum (B[4 + c] >> 4) | (B[c] >> 6) << 4.
 #if defined(__AVX512VBMI__)
 // All 64 of each unpacked at once, byte 8j + c holding column c's in sub-block j.
-class superblock_scales {
+class q4_K_scales {
   public:
-    explicit superblock_scales(const block_q4_Kx8 & b) {
+    explicit q4_K_scales(const block_q4_Kx8 & b) {
         // per byte 8j + c: P = B[c], Q = B[4 + c], R = B[c - 4] (c >= 4) of sub-block j's bytes
         alignas(64) static const struct tables {
             uint8_t p[64], q[64], r[64];
@@ -110,9 +124,9 @@ class superblock_scales {
 #else
 // Sub-block by sub-block, as ggml's gemv unpacks them (its utmp arithmetic): per sub-block the
 // 8 scales, then the 8 minimums, as int16.
-class superblock_scales {
+class q4_K_scales {
   public:
-    explicit superblock_scales(const block_q4_Kx8 & b) {
+    explicit q4_K_scales(const block_q4_Kx8 & b) {
         constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
         for (int j = 0; j < 8; ++j) {
             uint32_t utmp[4];
@@ -143,21 +157,18 @@ class superblock_scales {
 };
 #endif
 
-// One run of 8 columns times G activation rows (their q8_K superblocks `act`, their 32-wide sums
-// `sums32`), each output as ggml's gemv computes it; out[g] receives row g's 8 outputs.
-template <int G>
-void tile(int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act, const int16_t * const * sums32, float * const * out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m256 acc[G], acc_min[G];
-    for (int g = 0; g < G; ++g) acc[g] = acc_min[g] = _mm256_setzero_ps();
-    for (int64_t ib = 0; ib < blocks; ++ib) {
-        const block_q4_Kx8 & b = w[ib];
-        for (int line = 0; line < (int) sizeof(block_q4_Kx8); line += 64) {
-            _mm_prefetch((const char *) (&b + PREFETCH_BLOCKS) + line, _MM_HINT_T0);
-        }
-        const superblock_scales scales(b);
-        __m512i dots[G];
-        for (int g = 0; g < G; ++g) dots[g] = _mm512_setzero_si512();
+// The weight types: their repacked superblock's integers for G activation rows at once. `dots[g]`
+// receives, for activation row g, sum over sub-blocks of scale * dot in dword lanes 2c and 2c + 1
+// (column c's, to be added), `mins[g]` sum over sub-blocks of minimum * (the activations' sum over
+// the sub-block) in dword lane c; `sums32` are the activation superblocks' 8 sums over 32 quants.
+struct q4_K {
+    using block = block_q4_Kx8;
+    static constexpr ggml_type type = GGML_TYPE_Q4_K;
+
+    template <int G>
+    static void integers(const block & b, const block_q8_K * const * act, const int16_t * const * sums32, __m512i (&dots)[G], __m256i (&mins)[G]) {
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        const q4_K_scales scales(b);
         for (int sb = 0; sb < 4; ++sb) {
             const __m512i scale0 = scales.scale(2 * sb), scale1 = scales.scale(2 * sb + 1);
             // run r: 8 bytes of each column, its low nibbles weights 64sb + 8r + 0..7 (sub-block 2sb),
@@ -169,59 +180,122 @@ void tile(int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act
                 hi[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             }
             for (int g = 0; g < G; ++g) {
-                const int8_t * q8 = act[g][ib].qs + 64 * sb;
+                const int8_t * q8 = act[g]->qs + 64 * sb;
                 __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
                 for (int r = 0; r < 4; ++r) {
-                    int64_t a0, a1;
-                    std::memcpy(&a0, q8 + 8 * r, 8);
-                    std::memcpy(&a1, q8 + 32 + 8 * r, 8);
-                    t0 = _mm512_dpbusd_epi32(t0, lo[r], _mm512_set1_epi64(a0));
-                    t1 = _mm512_dpbusd_epi32(t1, hi[r], _mm512_set1_epi64(a1));
+                    t0 = _mm512_dpbusd_epi32(t0, lo[r], broadcast8(q8 + 8 * r));
+                    t1 = _mm512_dpbusd_epi32(t1, hi[r], broadcast8(q8 + 32 + 8 * r));
                 }
                 dots[g] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[g], t0, scale0), t1, scale1);
             }
         }
+        for (int g = 0; g < G; ++g)
+            for (int k = 0; k < 4; ++k) mins[g] = _mm256_dpwssd_epi32(mins[g], scales.min_pair(k), broadcast4(sums32[g] + 2 * k));
+    }
+};
+
+// Q2_K: per 128-weight half sb, run r holds bytes 8r..8r+7 of each column's 32 bytes, whose 2-bit
+// field l is weight 32l + 8r + 0..7 of the half: sub-block (16 weights) 2l + r / 2, its weights
+// 8 (r % 2) + 0..7. Scales and minimums are 4 bits each, one byte per (column, sub-block): byte
+// 16p + 2c + j holds column c's of sub-block 2p + j (p = 0..7 over the superblock), the scale in
+// its low nibble.
+struct q2_K {
+    using block = block_q2_Kx8;
+    static constexpr ggml_type type = GGML_TYPE_Q2_K;
+
+    template <int G>
+    static void integers(const block & b, const block_q8_K * const * act, const int16_t * const *, __m512i (&dots)[G], __m256i (&mins)[G]) {
+        const __m512i low2 = _mm512_set1_epi8(0x03), low4 = _mm512_set1_epi8(0x0F);
+        // pshufb indices of sub-block 2p + j's scales in a pair's 16 bytes, broadcast to each 128-bit
+        // lane: dword lane L (column L / 2) takes byte 2 (L / 2) + j in its low byte, zeros above
+        const __m512i column_byte = _mm512_set_epi32(14, 14, 12, 12, 10, 10, 8, 8, 6, 6, 4, 4, 2, 2, 0, 0);
+        const __m512i zeros_above = _mm512_set1_epi32((int) 0x80808000);
+        for (int sb = 0; sb < 2; ++sb) {
+            __m512i w[4][4];  // [run][field]
+            for (int r = 0; r < 4; ++r) {
+                const __m512i raw = _mm512_loadu_si512(b.qs + 256 * sb + 64 * r);
+                for (int l = 0; l < 4; ++l) w[r][l] = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * l), low2);
+            }
+            for (int p = 4 * sb; p < 4 * sb + 4; ++p) {
+                const __m512i pair = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) (b.scales + 16 * p)));
+                const __m512i scales = _mm512_and_si512(pair, low4);
+                for (int j = 0; j < 2; ++j) {
+                    const __m512i scale = _mm512_shuffle_epi8(scales, _mm512_or_si512(_mm512_add_epi32(column_byte, _mm512_set1_epi32(j)), zeros_above));
+                    const int i = 2 * (p % 4) + j;  // sub-block within the half
+                    const int l = i / 2, r0 = 2 * (i % 2);
+                    for (int g = 0; g < G; ++g) {
+                        const int8_t * q8 = act[g]->qs + 128 * sb + 16 * i;
+                        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r0][l], broadcast8(q8));
+                        t = _mm512_dpbusd_epi32(t, w[r0 + 1][l], broadcast8(q8 + 8));
+                        dots[g] = _mm512_dpwssd_epi32(dots[g], t, scale);
+                    }
+                }
+                // column c's minimums of sub-blocks 2p and 2p + 1, as int16 pairs in dword lane c
+                const __m256i min_pairs = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm512_castsi512_si128(pair), 4), _mm_set1_epi8(0x0F)));
+                for (int g = 0; g < G; ++g) mins[g] = _mm256_dpwssd_epi32(mins[g], min_pairs, broadcast4(act[g]->bsums + 2 * p));
+            }
+        }
+    }
+};
+
+// One run of 8 columns times G activation rows (their q8_K superblocks `act`, their 32-wide sums
+// `sums32`), each output as ggml's gemv computes it; out[g] receives row g's 8 outputs.
+template <class W, int G>
+void tile(int64_t blocks, const typename W::block * w, const block_q8_K * const * act, const int16_t * const * sums32, float * const * out) {
+    __m256 acc[G], acc_min[G];
+    for (int g = 0; g < G; ++g) acc[g] = acc_min[g] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < blocks; ++ib) {
+        const typename W::block & b = w[ib];
+        for (int line = 0; line < (int) sizeof(b); line += 64) {
+            _mm_prefetch((const char *) (&b + PREFETCH_BLOCKS) + line, _MM_HINT_T0);
+        }
+        const block_q8_K * rows[G];
+        const int16_t * sums[G];
+        __m512i dots[G];
+        __m256i mins[G];
+        for (int g = 0; g < G; ++g) {
+            rows[g] = act[g] + ib;
+            sums[g] = sums32[g] + 8 * ib;
+            dots[g] = _mm512_setzero_si512();
+            mins[g] = _mm256_setzero_si256();
+        }
+        W::template integers<G>(b, rows, sums, dots, mins);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b.d));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b.dmin));
         for (int g = 0; g < G; ++g) {
             // a column's two lanes added: the gemv's per-column integer
             const __m512i pairs = _mm512_add_epi32(dots[g], _mm512_srli_epi64(dots[g], 32));
             const __m256i columns = _mm512_cvtepi64_epi32(pairs);
-            __m256i mins = _mm256_setzero_si256();
-            for (int k = 0; k < 4; ++k) {
-                int32_t s;
-                std::memcpy(&s, sums32[g] + 8 * ib + 2 * k, 4);
-                mins = _mm256_dpwssd_epi32(mins, scales.min_pair(k), _mm256_set1_epi32(s));
-            }
-            const __m256 row_scale = _mm256_set1_ps(act[g][ib].d);
+            const __m256 row_scale = _mm256_set1_ps(rows[g]->d);
             acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(columns), _mm256_mul_ps(d, row_scale), acc[g]);
-            acc_min[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, row_scale), acc_min[g]);
+            acc_min[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[g]), _mm256_mul_ps(dmin, row_scale), acc_min[g]);
         }
     }
     for (int g = 0; g < G; ++g) _mm256_storeu_ps(out[g], _mm256_sub_ps(acc[g], acc_min[g]));
 }
 
-void tile(int G, int64_t blocks, const block_q4_Kx8 * w, const block_q8_K * const * act, const int16_t * const * sums32, float * const * out) {
+template <class W>
+void tile(int G, int64_t blocks, const typename W::block * w, const block_q8_K * const * act, const int16_t * const * sums32, float * const * out) {
     switch (G) {
-        case 1: tile<1>(blocks, w, act, sums32, out); break;
-        case 2: tile<2>(blocks, w, act, sums32, out); break;
-        case 3: tile<3>(blocks, w, act, sums32, out); break;
-        case 4: tile<4>(blocks, w, act, sums32, out); break;
-        case 5: tile<5>(blocks, w, act, sums32, out); break;
-        case 6: tile<6>(blocks, w, act, sums32, out); break;
-        case 7: tile<7>(blocks, w, act, sums32, out); break;
-        default: tile<8>(blocks, w, act, sums32, out); break;
+        case 1: tile<W, 1>(blocks, w, act, sums32, out); break;
+        case 2: tile<W, 2>(blocks, w, act, sums32, out); break;
+        case 3: tile<W, 3>(blocks, w, act, sums32, out); break;
+        case 4: tile<W, 4>(blocks, w, act, sums32, out); break;
+        case 5: tile<W, 5>(blocks, w, act, sums32, out); break;
+        case 6: tile<W, 6>(blocks, w, act, sums32, out); break;
+        case 7: tile<W, 7>(blocks, w, act, sums32, out); break;
+        default: tile<W, 8>(blocks, w, act, sums32, out); break;
     }
 }
 
-struct kernel {
-    static bool repacked(const ggml_tensor * t) { return t->type == GGML_TYPE_Q4_K && t->ne[0] % QK == 0 && t->ne[1] % 8 == 0; }
+template <class W> struct kernel {
+    static bool repacked(const ggml_tensor * t) { return t->type == W::type && t->ne[0] % QK == 0 && t->ne[1] % 8 == 0; }
 
     // 2-D products by f32 rows whose work fits the cap.
     static bool takes(const ggml_tensor * op) {
         const ggml_tensor * x = op->src[0];
         const ggml_tensor * y = op->src[1];
-        return enabled.load(std::memory_order_relaxed) && op->op == GGML_OP_MUL_MAT && y->type == GGML_TYPE_F32 &&
+        return enabled<W>.load(std::memory_order_relaxed) && op->op == GGML_OP_MUL_MAT && y->type == GGML_TYPE_F32 &&
                op->type == GGML_TYPE_F32 && x->ne[2] == 1 && x->ne[3] == 1 && y->ne[2] == 1 && y->ne[3] == 1 &&
                y->nb[0] == sizeof(float) && op->nb[0] == sizeof(float) && work_for(y->ne[1], x->ne[0] / QK) <= MAX_WORK;
     }
@@ -248,9 +322,9 @@ struct kernel {
         ggml_barrier(params->threadpool);
 
         // The runs split between the threads; a stretch of them meets the activation rows 8 at a time.
-        const auto * w = static_cast<const block_q4_Kx8 *>(x->data);
+        const auto * w = static_cast<const typename W::block *>(x->data);
         const int64_t first = runs * params->ith / params->nth, last = runs * (params->ith + 1) / params->nth;
-        const int64_t stretch = std::max<int64_t>(1, (int64_t) (RUN_BYTES / (blocks * sizeof(block_q4_Kx8))));
+        const int64_t stretch = std::max<int64_t>(1, (int64_t) (RUN_BYTES / (blocks * sizeof(typename W::block))));
         const block_q8_K * act[MAX_TILE_ROWS];
         const int16_t * sums[MAX_TILE_ROWS];
         float * out[MAX_TILE_ROWS];
@@ -264,17 +338,17 @@ struct kernel {
                 }
                 for (int64_t r = r0; r < r1; ++r) {
                     for (int g = 0; g < G; ++g) out[g] = (float *) ((char *) op->data + (g0 + g) * op->nb[1]) + 8 * r;
-                    tile(G, blocks, w + r * blocks, act, sums, out);
+                    tile<W>(G, blocks, w + r * blocks, act, sums, out);
                 }
             }
         }
     }
 };
 
-// Random Q4_K weights, repacked by ggml, times random activation rows (one of them all zeros, one in
+// Random W weights, repacked by ggml, times random activation rows (one of them all zeros, one in
 // 16 values forty times larger): 1 to 33 rows, 8 to 136 columns, each output against ggml's gemv
 // of its row alone (its gemm for several rows rounds otherwise).
-int64_t differences(std::mt19937 & rng, int n_threads) {
+template <class W> int64_t differences(std::mt19937 & rng, int n_threads) {
     int64_t differing = 0;
     for (int64_t width : { 256, 1536, 2304 })
         for (int64_t n : { 8, 24, 136 })
@@ -286,20 +360,20 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
                 if (!meta || !ctx) {
                     return -3;
                 }
-                std::vector<block_q4_K> quants(size_t(width * n / QK));
-                dflash2::random_weights(rng, GGML_TYPE_Q4_K, quants.data(), width, n);
+                std::vector<char> quants(ggml_row_size(W::type, width) * n);
+                dflash2::random_weights(rng, W::type, quants.data(), width, n);
                 ggml_backend_buffer_t buffer = nullptr;
-                ggml_tensor * x = dflash2::repacked_weight(meta, GGML_TYPE_Q4_K, width, n, quants.data(), buffer);
+                ggml_tensor * x = dflash2::repacked_weight(meta, W::type, width, n, quants.data(), buffer);
                 if (!x) {
                     return -2;
                 }
-                dflash2::put_in_front<kernel>(x);
+                dflash2::put_in_front<kernel<W>>(x);
                 ggml_tensor * y = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, m);
                 dflash2::random_rows(rng, y, 16);
                 ggml_tensor * batch = ggml_mul_mat(ctx, x, y);
                 std::vector<ggml_tensor *> rows;
                 for (int64_t i = 0; i < m; ++i) rows.push_back(ggml_mul_mat(ctx, x, ggml_view_2d(ctx, y, width, 1, y->nb[1], i * y->nb[1])));
-                const int64_t d = dflash2::differences_by_row(ctx, batch, rows, n_threads, [](bool on) { enabled.store(on); });
+                const int64_t d = dflash2::differences_by_row(ctx, batch, rows, n_threads, [](bool on) { enabled<W>.store(on); });
                 ggml_backend_buffer_free(buffer);
                 ggml_free(ctx);
                 ggml_free(meta);
@@ -314,38 +388,5 @@ int64_t differences(std::mt19937 & rng, int n_threads) {
 }  // namespace
 #endif
 
-extern "C" int32_t dflash2_model_q4_kx8_rows(struct llama_model * model) {
-#if DFLASH2_Q4_KX8_ROWS
-    return dflash2::put_in_front_of_model<kernel>(model, fronted);
-#else
-    (void) model;
-    return -1;
-#endif
-}
-
-extern "C" int32_t dflash2_set_q4_kx8_rows(bool on) {
-#if DFLASH2_Q4_KX8_ROWS
-    enabled.store(on, std::memory_order_relaxed);
-    return on ? 1 : 0;
-#else
-    (void) on;
-    return -1;
-#endif
-}
-
-extern "C" int64_t dflash2_q4_kx8_rows_fronted(void) {
-#if DFLASH2_Q4_KX8_ROWS
-    return fronted.load(std::memory_order_relaxed);
-#else
-    return -1;
-#endif
-}
-
-extern "C" int64_t dflash2_q4_kx8_rows_differences(uint32_t seed, int32_t n_threads) {
-#if DFLASH2_Q4_KX8_ROWS
-    return dflash2::seeded_check(enabled, seed, [&](std::mt19937 & rng) { return differences(rng, n_threads); });
-#else
-    (void) seed, (void) n_threads;
-    return -1;
-#endif
-}
+DFLASH2_REPACKED_ROWS_ENTRIES(DFLASH2_KX8_ROWS, q4_kx8, q4_K)
+DFLASH2_REPACKED_ROWS_ENTRIES(DFLASH2_KX8_ROWS, q2_kx8, q2_K)
