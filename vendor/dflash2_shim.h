@@ -88,7 +88,7 @@ int32_t         dflash2_set_iq4_nlx8_rows(bool on);
 int64_t         dflash2_q4_0x8_rows_fronted(void);
 int64_t         dflash2_iq4_nlx8_rows_fronted(void);
 /* The count of outputs that differ from ggml's gemv of their row alone, over random weights ggml
- * repacked times random activation rows (2-17 rows, 8-136 columns): 0 when they agree, -1 where not
+ * repacked times random activation rows (2-33 rows, 8-136 columns): 0 when they agree, -1 where not
  * built, -2 where ggml did not repack them so, -3 on an error. */
 int64_t         dflash2_q4_0x8_rows_differences(uint32_t seed, int32_t n_threads);
 int64_t         dflash2_iq4_nlx8_rows_differences(uint32_t seed, int32_t n_threads);

@@ -225,13 +225,13 @@ template <class W> struct kernel {
 };
 
 // Random W weights (some at the ends of their range), repacked by ggml, times random activation
-// rows (one of them all zeros): 2 to 17 rows, 8 to 136 columns (one run alone, a pair and one
+// rows (one of them all zeros): 2 to 33 rows, 8 to 136 columns (one run alone, a pair and one
 // alone, many pairs), each output against ggml's gemv of its row alone.
 template <class W> int64_t differences(std::mt19937 & rng, int n_threads) {
     int64_t differing = 0;
     for (int64_t width : { 32, 576, 1536 })
         for (int64_t n : { 8, 24, 136 })
-            for (int64_t m : { 2, 3, 4, 5, 8, 9, 17 }) {
+            for (int64_t m : { 2, 3, 4, 5, 8, 9, 17, 33 }) {
                 ggml_init_params meta_init = { ggml_tensor_overhead(), nullptr, true };
                 ggml_context * meta = ggml_init(meta_init);
                 ggml_init_params init = { size_t(16) << 20, nullptr, false };

@@ -12,10 +12,10 @@ generation and prompt tok/s, and whether every text was the same.
 
 Prints one markdown row per model as it goes and, with --json FILE, writes every figure there.
 """
-import argparse, json, os, signal, statistics, subprocess, sys, time, urllib.request
+import argparse, json, os, statistics, subprocess, sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from side_by_side import compare, ratios  # noqa: E402
+from side_by_side import compare, ratios, start, stop  # noqa: E402
 
 BATCHES = [2, 4, 8, 16, 33]
 
@@ -23,26 +23,6 @@ BATCHES = [2, 4, 8, 16, 33]
 def run_json(cmd):
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)
-
-
-def start(cmd, url):
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    for _ in range(600):
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                return proc
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            sys.exit(f"server exited ({proc.returncode}): {' '.join(cmd)}")
-        time.sleep(0.5)
-    stop(proc)
-    sys.exit(f"server did not come up: {' '.join(cmd)}")
-
-
-def stop(proc):
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=60)
 
 
 def main():

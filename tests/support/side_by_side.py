@@ -7,9 +7,11 @@ the medians of per-request ratios and how many texts were identical.
 
     python3 tests/support/side_by_side.py [-n N] [--limit K] [--pair A/B ...] PROMPTS.jsonl NAME=URL NAME=URL ...
 
-`compare()` is the same measurement for other scripts (tests/support/quant_matrix.py).
+With `--launch 'NAME=PORT:COMMAND'` (repeatable) it starts each server itself (COMMAND must listen on
+127.0.0.1:PORT), waits for its /health, and stops it afterwards. `compare()`, `start()` and `stop()`
+serve other scripts too (tests/support/quant_matrix.py).
 """
-import argparse, json, urllib.request, statistics
+import argparse, json, os, shlex, signal, statistics, subprocess, sys, time, urllib.request
 
 
 def post(url, body):
@@ -34,6 +36,27 @@ def compare(servers, prompts, n):
     return speed, prefill, texts
 
 
+def start(cmd, url):
+    """Start a server (`cmd`, a list) and wait until `url`/health answers 200."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    for _ in range(1200):
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return proc
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            sys.exit(f"server exited ({proc.returncode}): {' '.join(cmd)}")
+        time.sleep(0.5)
+    stop(proc)
+    sys.exit(f"server did not come up: {' '.join(cmd)}")
+
+
+def stop(proc):
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
 def ratios(a, b):
     """The median of per-request ratios a / b."""
     return statistics.median(x / y for x, y in zip(a, b))
@@ -44,12 +67,23 @@ def main():
     ap.add_argument("-n", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--limit", type=int, default=16, help="first K prompts")
     ap.add_argument("--pair", action="append", default=[], help="A/B: also the ratios of server A against server B")
+    ap.add_argument("--launch", action="append", default=[], help="NAME=PORT:COMMAND: start this server for the run")
     ap.add_argument("prompts")
-    ap.add_argument("servers", nargs="+", help="NAME=URL")
+    ap.add_argument("servers", nargs="*", help="NAME=URL")
     args = ap.parse_args()
     servers = dict(a.split("=", 1) for a in args.servers)
-    prompts = [json.loads(l)["prompt"] for l in open(args.prompts)][:args.limit]
-    speed, prefill, texts = compare(servers, prompts, args.n)
+    launched = []
+    try:
+        for spec in args.launch:
+            name, rest = spec.split("=", 1)
+            port, cmd = rest.split(":", 1)
+            servers[name] = f"http://127.0.0.1:{port}"
+            launched.append(start(shlex.split(cmd), servers[name]))
+        prompts = [json.loads(l)["prompt"] for l in open(args.prompts)][:args.limit]
+        speed, prefill, texts = compare(servers, prompts, args.n)
+    finally:
+        for proc in launched:
+            stop(proc)
     names = list(servers)
     for s in names:
         print(f"{s}: median {statistics.median(speed[s]):.1f} tok/s over {len(speed[s])} requests (prompt {statistics.median(prefill[s]):.0f} tok/s)")
