@@ -35,6 +35,23 @@ inline float hsum_float_8(const __m256 x) {
 }
 #endif
 
+#if defined(__AVX2__)
+// 12 bytes of a Q4_K (Q5_K) block's 6-bit scales and minimums, as ggml's vec_dot and gemv unpack them
+// (their utmp arithmetic): 8 scales, then 8 minimums, as int16. A repacked block_q4_Kx8 packs each
+// sub-block's 8 columns the same way.
+inline __m256i k4_scales_and_mins(const uint8_t * packed) {
+    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t utmp[4];
+    std::memcpy(utmp, packed, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    return _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+}
+#endif
+
 #if DFLASH2_Q8_0_OPERANDS
 // A q8_0 block of activations (or queries) as ggml's AVX2 dot products meet it, laid out for weights
 // made unsigned, w + 2^shift (Q5_0: 4, Q8_0: 7): ggml's quants, its scale widened to f32, and

@@ -101,20 +101,6 @@ inline __m256i lanes(const unpacked & w, const int8_t * q8) {
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
 
-// Q4_K and Q5_K's 12 bytes of 6-bit scales and minimums, as ggml's vec_dot unpacks them: 8 scales,
-// then 8 minimums, as int16.
-inline __m256i scales_and_mins_k4(const uint8_t * scales) {
-    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    uint32_t utmp[4];
-    std::memcpy(utmp, scales, 12);
-    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = utmp[1] & kmask1;
-    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= kmask1;
-    return _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-}
-
 // ggml_vec_dot_q6_K_q8_K: weights 0..63 (ggml's 6-bit quants, unsigned), 16-weight groups with
 // signed 8-bit scales; each lane l subtracts 32 times the scales by the activations' sums of groups
 // 2l and 2l + 1 (ggml's q8sclsub); per superblock acc = fma(y.d * x.d, lanes, acc).
@@ -178,7 +164,7 @@ struct k4_common {
             const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (qs + 32 * q)));
             out.w[q] = _mm512_and_si512(_mm512_srlv_epi16(bytes, nibble), low4);
         }
-        const __m256i sm = scales_and_mins_k4(scales);
+        const __m256i sm = dflash2::k4_scales_and_mins(scales);
         const __m512i table = _mm512_zextsi256_si512(sm);
         for (int q = 0; q < 4; ++q) out.sc[q] = _mm512_permutexvar_epi16(scale_index(q, group32), table);
         out.mins = _mm256_extracti128_si256(sm, 1);

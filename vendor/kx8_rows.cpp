@@ -122,22 +122,12 @@ class q4_K_scales {
     __m512i s, m;
 };
 #else
-// Sub-block by sub-block, as ggml's gemv unpacks them (its utmp arithmetic): per sub-block the
-// 8 scales, then the 8 minimums, as int16.
+// Sub-block by sub-block, as ggml's gemv unpacks them: per sub-block the 8 scales, then the 8
+// minimums, as int16.
 class q4_K_scales {
   public:
     explicit q4_K_scales(const block_q4_Kx8 & b) {
-        constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-        for (int j = 0; j < 8; ++j) {
-            uint32_t utmp[4];
-            std::memcpy(utmp, b.scales + 12 * j, 12);
-            utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-            const uint32_t uaux = utmp[1] & kmask1;
-            utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-            utmp[2] = uaux;
-            utmp[0] &= kmask1;
-            sm[j] = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-        }
+        for (int j = 0; j < 8; ++j) sm[j] = dflash2::k4_scales_and_mins(b.scales + 12 * j);
     }
 
     __m512i scale(int j) const {
