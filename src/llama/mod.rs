@@ -144,7 +144,7 @@ pub enum OpKernel {
     /// ggml's. Built for AVX512-VNNI.
     Iq4NlX8Rows,
     /// Products of any number of rows with the Q2_K weights ggml repacks into 8-column runs on
-    /// AVX-512 CPUs (vendor/kx8_rows.cpp, as [`OpKernel::Q4Kx8Rows`]): Q2_K and Q3_K_S-style files.
+    /// AVX-512 CPUs (vendor/kx8_rows.cpp, as [`OpKernel::Q4Kx8Rows`]): the bulk of Q2_K files.
     /// Built for AVX512-VNNI.
     Q2Kx8Rows,
     /// Products of Q4_1 and Q5_1 weights (vendor/quant_rows.cpp, as [`OpKernel::Q5_0Rows`], the

@@ -44,7 +44,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for model in a.models:
         info = run_json([a.dflash2, "inspect", model, "--json"])
-        types = [(t["type_name"], t["bytes"] / 1e6) for t in info["tensor_types"] if t["type_name"] != "F32"]
+        types = [(t["type_name"], t["bytes"] / 1e6) for t in info.get("tensor_types", []) if t["type_name"] != "F32"]  # older builds: none
         check = run_json([a.dflash2, "inspect", model, "--check", "--json", "-t", str(a.threads), "--runs", str(a.runs),
                           "--batches", ",".join(map(str, BATCHES))])
         on, off = check["probes"]
