@@ -1,11 +1,11 @@
 //! One speculative cycle for every run in progress: plan, draft, select, verify, commit, roll
 //! back. All runs draft in one call per source and verify in one target decode.
-use super::report::{ms_since, Cycle};
+use super::report::{ms_since, Cycle, Probs};
 use super::{Engine, EngineError, Result, Run};
 use crate::draft::arbiter::{self, Choice};
 use crate::draft::source::{Outcome, Proposal, Request};
 use crate::llama::Token;
-use crate::sampling::{token_probs, TokenProb};
+use crate::sampling::TokenProb;
 use crate::verify::{in_order, Check, Drafted, Law, States, Verdict};
 use std::time::Instant;
 
@@ -35,10 +35,7 @@ impl Engine {
     /// committed to its output. Token trees need a single-slot engine: with several slots,
     /// `tree` drafts the best path.
     pub fn step_all(&mut self, runs: &mut [&mut Run]) -> Result<Vec<Vec<Token>>> {
-        let mut seen = vec![false; self.cached.len()];
-        if let Some(r) = runs.iter().find(|r| std::mem::replace(&mut seen[r.slot], true)) {
-            return Err(EngineError::Config(format!("two runs share slot {}", r.slot)));
-        }
+        check_slots(runs, self.cached.len())?;
         let mut plans = self.plan(runs);
         let mut out = vec![Vec::new(); runs.len()];
         if plans.is_empty() {
@@ -86,9 +83,7 @@ impl Engine {
             let remaining = run.opts.n_predict - run.tokens().len();
             let max_draft = run.block.saturating_sub(1).min(remaining.saturating_sub(1)).min(n_ctx - pos0 - 1);
             let single = std::mem::take(&mut run.single_next);
-            let max_draft = if run.sources.is_empty() || single { 0 } else { max_draft };
-            let draft = Drafted { seq: run.slot, last: run.next, pos0, tree: Default::default(), states: States::default(), row0: 0, n_leaves: 0 };
-            plans.push(Plan { run: i, max_draft, proposals: Vec::new(), from: Vec::new(), draft });
+            plans.push(Plan::new(i, run, pos0, if run.sources.is_empty() || single { 0 } else { max_draft }));
         }
         plans
     }
@@ -122,11 +117,7 @@ impl Engine {
                 let proposals = self.sources.propose(id, &self.target, &mut self.cost, &requests)?;
                 for (&i, proposal) in asking.iter().zip(proposals) {
                     let Some(proposal) = proposal else { continue };
-                    let s = &mut runs[plans[i].run].stats;
-                    s.n_draft_calls += proposal.calls;
-                    s.n_draft_positions += proposal.positions;
-                    s.repaired_lattices += usize::from(proposal.repaired);
-                    s.of(self.sources.origin(id)).ms += proposal.ms;
+                    runs[plans[i].run].stats.record_proposal(&proposal, self.sources.origin(id));
                     plans[i].proposals.push(proposal);
                     plans[i].from.push(id);
                 }
@@ -162,14 +153,15 @@ impl Engine {
         let law = Law { sampler: &mut run.sampler, grammar: run.grammar.as_ref(), cached: &cached[d.seq] };
         let (mut path, mut next) = match check.accept(d, law, *near_tie_margin, &qs, run.opts.verifier)? {
             Verdict::Retry => {
-                (run.stats.near_ties, run.single_next) = (run.stats.near_ties + 1, true);
+                run.near_tie();
                 check.retry_alone(d)?;
                 run.stats.record_verify(d.tree.len(), 0, 0);
                 return Ok((Vec::new(), Vec::new(), 0));
             }
             Verdict::Take { path, next, near_tie } => {
-                run.stats.near_ties += usize::from(near_tie);
-                run.single_next |= near_tie;
+                if near_tie {
+                    run.near_tie();
+                }
                 (path, next)
             }
         };
@@ -181,17 +173,10 @@ impl Engine {
         let in_order = in_order(&path);
         let rows: Vec<usize> = std::iter::once(d.row0).chain(path[..in_order].iter().map(|&i| d.row0 + i + 1)).collect();
         sources.observe(check.target, d.seq, &rows, d.pos0)?;
-        // Log-probabilities come from the rows that chose each token, read before a re-decode
-        // replaces them: the in-order part, and the first side-branch node (its parent's row is
-        // in order); the rest of a side branch, and the token after it, from the re-decode.
-        let n_probs = run.opts.n_probs;
-        let mut probs = Vec::new();
-        if let Some(n) = n_probs {
-            for &i in &path[..path.len().min(in_order + 1)] {
-                let row = d.tree.nodes[i].parent.map_or(0, |q| q + 1);
-                probs.push(token_probs(check.target.logits(d.row0 + row)?, d.tree.nodes[i].token, n));
-            }
-        }
+        // Log-probabilities of the in-order part, and of the first side-branch node (its parent's
+        // row is in order); the rest of a side branch, and the token after it, from the re-decode.
+        let mut probs = Probs::new(run.opts.n_probs);
+        probs.chosen(check.target, d, &path[..path.len().min(in_order + 1)])?;
         if in_order < path.len() {
             let t = Instant::now();
             let tail = path.split_off(in_order);
@@ -200,20 +185,12 @@ impl Engine {
             sources.observe(check.target, d.seq, &(0..kept).collect::<Vec<_>>(), d.pos0 + d.tree.nodes[tail[0]].depth)?;
             path.extend_from_slice(&tail[..kept]);
             next = bonus.unwrap_or(next);
-            if let Some(n) = n_probs {
-                for (k, &i) in tail[..kept].iter().enumerate().skip(1) {
-                    probs.push(token_probs(check.target.logits(k - 1)?, d.tree.nodes[i].token, n));
-                }
-                probs.push(token_probs(check.target.logits(kept - 1)?, next, n));
-            }
+            probs.redecoded(check.target, d, &tail[..kept], next)?;
             // a target decode: verify time, not host time
             run.stats.verify_ms += ms_since(t);
             run.stats.redecoded += tail.len();
         }
-        if let (Some(n), true) = (n_probs, probs.len() == path.len()) {
-            let row = path.last().map_or(0, |&i| i + 1);
-            probs.push(token_probs(check.target.logits(d.row0 + row)?, next, n));
-        }
+        probs.next(check.target, d, &path, next)?;
         let mut committed: Vec<Token> = path.iter().map(|&i| d.tree.nodes[i].token).collect();
         if let Some(g) = run.grammar.as_mut() {
             // the output ends at an end-of-generation token: nothing after it is the grammar's
@@ -231,7 +208,23 @@ impl Engine {
         }
         let free = path.iter().filter(|&&i| d.tree.nodes[i].origin.from_lookup()).count();
         committed.push(next);
-        Ok((committed, probs, free))
+        Ok((committed, probs.out, free))
+    }
+}
+
+impl Plan {
+    fn new(run: usize, r: &Run, pos0: usize, max_draft: usize) -> Self {
+        let draft = Drafted { seq: r.slot, last: r.next, pos0, tree: Default::default(), states: States::default(), row0: 0, n_leaves: 0 };
+        Self { run, max_draft, proposals: Vec::new(), from: Vec::new(), draft }
+    }
+}
+
+/// Runs stepped together must each have a slot of their own.
+fn check_slots(runs: &[&mut Run], n_slots: usize) -> Result<()> {
+    let mut seen = vec![false; n_slots];
+    match runs.iter().find(|r| std::mem::replace(&mut seen[r.slot], true)) {
+        Some(r) => Err(EngineError::Config(format!("two runs share slot {}", r.slot))),
+        None => Ok(()),
     }
 }
 

@@ -23,7 +23,7 @@ pub use stats::{SourceStats, Stats};
 
 use crate::draft::cost::CostModel;
 use crate::draft::drafter::Drafter;
-use crate::llama::{Batch, Context, ContextParams, FeatureSource, Grammar, LlamaError, Model, ModelParams, Token};
+use crate::llama::{Batch, Context, Grammar, LlamaError, Model, Token};
 use crate::sampling::{token_probs, TokenProb};
 use crate::verify::{constrained_argmax, masked};
 use sources::Sources;
@@ -74,49 +74,13 @@ impl Engine {
     /// checked first (readable GGUF, a drafter that pairs with the target), so a bad file
     /// is a clear error, not an abort inside llama.cpp.
     pub fn load_models(cfg: &EngineConfig) -> Result<(Arc<Model>, Option<Arc<Model>>)> {
-        match &cfg.drafter {
-            Some(d) => drop(crate::gguf::check_pair_files(&cfg.target, d)?),
-            None => drop(crate::gguf::read_model_info(&cfg.target)?),
-        }
-        let (target, _) = crate::target::load_target(&cfg.target, cfg.n_gpu_layers, cfg.repack, &cfg.target_params())?;
-        // The drafter's numerics never change the output: it keeps repacking for speed.
-        let mparams = ModelParams { n_gpu_layers: cfg.n_gpu_layers, repack: true };
-        let drafter = match &cfg.drafter {
-            Some(p) => Some(Arc::new(Model::load(p, &mparams)?)),
-            None => None,
-        };
-        Ok((target, drafter))
+        cfg.load_models()
     }
 
     pub fn from_models(target: Arc<Model>, drafter: Option<Arc<Model>>, cfg: &EngineConfig) -> Result<Self> {
-        let features = match &drafter {
-            None => FeatureSource::None,
-            Some(d) => {
-                let layers = d.target_layer_ids();
-                if let Some(&bad) = layers.iter().find(|&&l| l < 1 || l as usize >= target.n_layer()) {
-                    return Err(EngineError::Config(format!(
-                        "drafter reads target layer {bad}, the target has layers 1..{} to read from",
-                        target.n_layer().saturating_sub(1)
-                    )));
-                }
-                match cfg.features {
-                    FeatureMode::Auto => FeatureSource::auto(&target.architecture(), layers),
-                    FeatureMode::Native => FeatureSource::Native(layers),
-                    FeatureMode::Callback => FeatureSource::Callback(layers),
-                }
-            }
-        };
         let n_slots = cfg.n_slots.max(1);
-        // One slot: a unified cache where token trees put each leaf in a sequence of its
-        // own. Several slots: each gets a stream of n_ctx cells to itself, so its cells
-        // stay in position order whatever the others do; llama.cpp's attention rounds
-        // differently when a sequence's cells are out of order, and the output must stay
-        // bit-identical to decoding that conversation alone.
-        let unified = n_slots == 1;
-        // (token trees come from the drafter or the look-up, which any run may turn on)
-        let n_seq_max = if unified { 1 + MAX_TREE_LEAVES } else { n_slots };
-        let params =
-            ContextParams { n_ctx: cfg.n_ctx * n_slots, n_batch: cfg.n_batch.max(64), n_seq_max, features, kv_unified: unified, ..cfg.target_params() };
+        let params = cfg.context_params(cfg.features(&target, drafter.as_deref())?, n_slots);
+        let n_seq_max = params.n_seq_max;
         let target_ctx = Context::new(target, &params, None)?;
         let drafter = match drafter {
             Some(d) => Some(Drafter::new(d, &target_ctx, n_slots, cfg.n_threads, cfg.cache.draft_k, cfg.cache.draft_v)?),
@@ -213,8 +177,11 @@ impl Engine {
             g.accept(first)?;
         }
         if !run.sources.is_empty() && run.adaptive {
+            // the verify costs the first cycles choose from (the prompt's last token is in the cache)
             let largest = if opts.draft.select == SelectMode::Tree { opts.draft.tree_budget + 1 } else { run.block };
-            self.calibrate(slot, largest)?;
+            let (pos0, token) = (self.cached[slot].len(), prompt[prompt.len() - 1]);
+            let max_batch = largest.min(self.batch.capacity()).min(self.n_ctx().saturating_sub(pos0));
+            self.cost.calibrate(&mut self.target, &mut self.batch, slot as i32, pos0, token, max_batch)?;
         }
         // Setup ends here: generation speed is measured from now on.
         run.stats.prefill_ms = report::ms_since(t_start);
@@ -256,36 +223,6 @@ impl Engine {
             run.sampler.pick(&masked(logits, run.grammar.as_ref()), prompt)
         };
         Ok((first, run.opts.n_probs.map(|n| token_probs(logits, first, n))))
-    }
-
-    /// Time target decodes of the batch sizes a cycle may verify, so the first cycles
-    /// already choose their length from this machine's costs. The cells are removed again.
-    fn calibrate(&mut self, slot: usize, max_batch: usize) -> Result<()> {
-        let pos0 = self.cached[slot].len();
-        let max_batch = max_batch.min(self.batch.capacity()).min(self.n_ctx().saturating_sub(pos0));
-        if self.cost.is_calibrated(max_batch) || max_batch < 2 {
-            return Ok(());
-        }
-        let token = *self.cached[slot].last().expect("calibration runs after the prompt");
-        let seq = slot as i32;
-        let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2)).take_while(|&b| b < max_batch).collect();
-        sizes.push(max_batch);
-        for &b in &sizes {
-            for rep in 0..2 {
-                self.batch.clear();
-                for i in 0..b {
-                    self.batch.add_token(token, (pos0 + i) as i32, &[seq], true)?;
-                }
-                let t = Instant::now();
-                self.target.decode(&self.batch, "cost calibration")?;
-                // The first run of a size warms up (graph allocation): keep the second.
-                if rep == 1 {
-                    self.cost.record_verify(b, report::ms_since(t));
-                }
-                self.target.seq_rm(seq, pos0 as i32, -1)?;
-            }
-        }
-        Ok(())
     }
 
     fn truncate_cache(&mut self, slot: usize, keep: usize) -> Result<()> {

@@ -1,11 +1,14 @@
 //! What an engine is built with ([`EngineConfig`]) and what one generation asks for
 //! ([`GenerateOptions`]).
+use super::{EngineError, Result};
 use crate::draft::config::DraftConfig;
-use crate::llama::{CacheType, ContextParams};
+use crate::llama::{CacheType, ContextParams, FeatureSource, Model, ModelParams};
+use crate::verify::MAX_TREE_LEAVES;
 use crate::sampling::SamplingParams;
 use crate::target::Repack;
 use crate::verify::Verifier;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Where the target's layer inputs come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -82,6 +85,52 @@ impl EngineConfig {
             cache_v: self.cache.target_v,
             ..ContextParams::default()
         }
+    }
+
+    /// The target (probed for batch invariance) and the drafter, their files checked first.
+    pub(super) fn load_models(&self) -> Result<(Arc<Model>, Option<Arc<Model>>)> {
+        match &self.drafter {
+            Some(d) => drop(crate::gguf::check_pair_files(&self.target, d)?),
+            None => drop(crate::gguf::read_model_info(&self.target)?),
+        }
+        let (target, _) = crate::target::load_target(&self.target, self.n_gpu_layers, self.repack, &self.target_params())?;
+        // The drafter's numerics never change the output: it keeps repacking for speed.
+        let mparams = ModelParams { n_gpu_layers: self.n_gpu_layers, repack: true };
+        let drafter = match &self.drafter {
+            Some(p) => Some(Arc::new(Model::load(p, &mparams)?)),
+            None => None,
+        };
+        Ok((target, drafter))
+    }
+
+    /// The target context of an engine of `n_slots` slots whose drafter reads `features`.
+    pub(super) fn context_params(&self, features: FeatureSource, n_slots: usize) -> ContextParams {
+        // One slot: a unified cache where token trees put each leaf in a sequence of its
+        // own. Several slots: each gets a stream of n_ctx cells to itself, so its cells
+        // stay in position order whatever the others do; llama.cpp's attention rounds
+        // differently when a sequence's cells are out of order, and the output must stay
+        // bit-identical to decoding that conversation alone.
+        let unified = n_slots == 1;
+        // (token trees come from the drafter or the look-up, which any run may turn on)
+        let n_seq_max = if unified { 1 + MAX_TREE_LEAVES } else { n_slots };
+        ContextParams { n_ctx: self.n_ctx * n_slots, n_batch: self.n_batch.max(64), n_seq_max, features, kv_unified: unified, ..self.target_params() }
+    }
+
+    /// Where the target's layer inputs come from for `drafter` (none without one).
+    pub(super) fn features(&self, target: &Model, drafter: Option<&Model>) -> Result<FeatureSource> {
+        let Some(d) = drafter else { return Ok(FeatureSource::None) };
+        let layers = d.target_layer_ids();
+        if let Some(&bad) = layers.iter().find(|&&l| l < 1 || l as usize >= target.n_layer()) {
+            return Err(EngineError::Config(format!(
+                "drafter reads target layer {bad}, the target has layers 1..{} to read from",
+                target.n_layer().saturating_sub(1)
+            )));
+        }
+        Ok(match self.features {
+            FeatureMode::Auto => FeatureSource::auto(&target.architecture(), layers),
+            FeatureMode::Native => FeatureSource::Native(layers),
+            FeatureMode::Callback => FeatureSource::Callback(layers),
+        })
     }
 }
 

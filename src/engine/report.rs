@@ -3,6 +3,9 @@
 use super::run::Run;
 use crate::draft::cost::CostModel;
 pub use crate::draft::source::ms_since;
+use crate::llama::{Context, Result, Token};
+use crate::sampling::{token_probs, TokenProb};
+use crate::verify::Drafted;
 use std::time::Instant;
 
 /// How far a prompt's decoding is (llama-server's `prompt_progress`): of `total` prompt tokens,
@@ -86,5 +89,49 @@ impl Cycle {
         if self.judged {
             cost.record_cycle(self.credited, self.n_runs, ms_since(self.t0));
         }
+    }
+}
+
+/// The log-probabilities of a cycle's committed tokens, when asked for (`n`: alternatives per
+/// token), each read from the target row that chose it, before a re-decode replaces the rows.
+pub(super) struct Probs {
+    n: Option<usize>,
+    pub out: Vec<TokenProb>,
+}
+
+impl Probs {
+    pub fn new(n: Option<usize>) -> Self {
+        Self { n, out: Vec::new() }
+    }
+
+    /// Nodes of `d` chosen on the verify batch's rows (each by its parent's row).
+    pub fn chosen(&mut self, target: &Context, d: &Drafted, nodes: &[usize]) -> Result<()> {
+        let Some(n) = self.n else { return Ok(()) };
+        for &i in nodes {
+            let row = d.tree.nodes[i].parent.map_or(0, |q| q + 1);
+            self.out.push(token_probs(target.logits(d.row0 + row)?, d.tree.nodes[i].token, n));
+        }
+        Ok(())
+    }
+
+    /// A re-decoded side branch whose nodes `kept` sit at rows `0..` of the last decode (the
+    /// first already reported, each next one chosen by the row before it), and `next` after it.
+    pub fn redecoded(&mut self, target: &Context, d: &Drafted, kept: &[usize], next: Token) -> Result<()> {
+        let Some(n) = self.n else { return Ok(()) };
+        for (k, &i) in kept.iter().enumerate().skip(1) {
+            self.out.push(token_probs(target.logits(k - 1)?, d.tree.nodes[i].token, n));
+        }
+        self.out.push(token_probs(target.logits(kept.len() - 1)?, next, n));
+        Ok(())
+    }
+
+    /// The target's own `next` token after the accepted `path` of the verify batch, unless a
+    /// re-decode reported it.
+    pub fn next(&mut self, target: &Context, d: &Drafted, path: &[usize], next: Token) -> Result<()> {
+        if let (Some(n), true) = (self.n, self.out.len() == path.len()) {
+            let row = path.last().map_or(0, |&i| i + 1);
+            self.out.push(token_probs(target.logits(d.row0 + row)?, next, n));
+        }
+        Ok(())
     }
 }

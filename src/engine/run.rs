@@ -143,6 +143,12 @@ impl Run {
         }
     }
 
+    /// A verify row was too close to call (the near-tie guard): the next cycle decodes alone.
+    pub(super) fn near_tie(&mut self) {
+        self.stats.near_ties += 1;
+        self.single_next = true;
+    }
+
     /// The context is full: the generation ends here.
     pub(super) fn end_at_context(&mut self) {
         self.finish = Some(FinishReason::Context);

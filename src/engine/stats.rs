@@ -1,5 +1,5 @@
 //! Counters and timings of one generation.
-use crate::draft::source::Prediction;
+use crate::draft::source::{Prediction, Proposal};
 use crate::draft::Origin;
 
 /// Counters and timings of one generation.
@@ -90,11 +90,14 @@ impl Stats {
         self.accepted_hist[accepted] += 1;
     }
 
-    /// The statistics of drafts of `origin`.
-    pub(super) fn of(&mut self, origin: Origin) -> &mut SourceStats {
+    /// What making `p` cost, its source's tokens tagged `origin`.
+    pub(super) fn record_proposal(&mut self, p: &Proposal, origin: Origin) {
+        self.n_draft_calls += p.calls;
+        self.n_draft_positions += p.positions;
+        self.repaired_lattices += usize::from(p.repaired);
         match origin {
-            Origin::Lookup => &mut self.from_lookup,
-            Origin::Drafter | Origin::Both => &mut self.from_drafter,
+            Origin::Lookup => self.from_lookup.ms += p.ms,
+            Origin::Drafter | Origin::Both => self.from_drafter.ms += p.ms,
         }
     }
 
