@@ -8,6 +8,10 @@
 //! rows' features pending by position; a draft at anchor position `p` injects the pending
 //! rows below `p` and forgets the rest (rows of rejected drafts). So a chain verify needs no
 //! bookkeeping from the frontend: what it accepted is what lies below its next anchor.
+//!
+//! Drafting is the engine's: the DFlash source proposes (`draft::dflash`), the arbiter gates,
+//! chooses and sizes the draft (`draft::arbiter`), and the source learns from each verify,
+//! over a cost model fed with the verify times the frontend reports.
 use crate::draft::arbiter::{self, Choice};
 use crate::draft::config::{DraftConfig, SelectMode};
 use crate::draft::cost::CostModel;
