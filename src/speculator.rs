@@ -8,11 +8,17 @@
 //! rows' features pending by position; a draft at anchor position `p` injects the pending
 //! rows below `p` and forgets the rest (rows of rejected drafts). So a chain verify needs no
 //! bookkeeping from the frontend: what it accepted is what lies below its next anchor.
+//!
+//! Drafting is the engine's: the DFlash source proposes (`draft::dflash`), the arbiter gates,
+//! chooses and sizes the draft (`draft::arbiter`), and the source learns from each verify,
+//! over a cost model fed with the verify times the frontend reports.
+use crate::draft::arbiter::{self, Choice};
+use crate::draft::config::{DraftConfig, SelectMode};
 use crate::draft::cost::CostModel;
+use crate::draft::dflash::Dflash;
 use crate::draft::drafter::Drafter;
-use crate::draft::select::{self, proposal};
-use crate::draft::{DraftTree, Lattice};
-use crate::engine::SelectMode;
+use crate::draft::source::{ms_since, DraftSource, Env, Outcome, Prediction, Proposal, Request};
+use crate::draft::DraftTree;
 use crate::gguf::ModelInfo;
 use crate::llama::{CacheType, Context, ForeignChain, LlamaError, Model, ModelParams, Terminal, Token};
 use crate::sampling::Distribution;
@@ -47,12 +53,10 @@ pub type Result<T> = std::result::Result<T, SpecError>;
 
 #[derive(Debug, Clone)]
 pub struct SpecOptions {
-    /// Tokens per cycle with the anchor; 0 = adaptive (`--block auto`): the cost model picks
-    /// each draft's length from the verify times the frontend reports, and drafts nothing
-    /// while drafting does not pay.
-    pub block: usize,
-    pub select: SelectMode,
-    pub tree_budget: usize,
+    /// How it drafts: the selection (greedy, best-path or tree), the block (`Block::Auto`: the
+    /// cost model picks each draft's length from the verify times the frontend reports, and
+    /// drafts nothing while drafting does not pay) and the tree budget; the drafter alone.
+    pub draft: DraftConfig,
     /// 0: draft the most likely path; above: draw drafts from the drafter's law at this
     /// temperature (what rejection sampling at the target's temperature accepts most).
     pub temperature: f32,
@@ -87,9 +91,8 @@ impl SpecStats {
 /// The last draft of a sequence, until it is accepted.
 struct Draft {
     tree: DraftTree,
-    lattice: Option<Lattice>,
-    temperature: f32,
-    gains: Vec<f32>,
+    /// The drafter's proposal it was chosen from.
+    proposal: Proposal,
     started: Instant,
 }
 
@@ -162,9 +165,13 @@ pub fn load_drafter_for(target: &Model, path: &Path) -> Result<Arc<Model>> {
 pub struct Speculator {
     target: Context,
     drafter: Drafter,
+    source: Dflash,
     seqs: Vec<Seq>,
     cost: CostModel,
     opts: SpecOptions,
+    /// The block with the anchor, and whether each draft's length follows the cost model.
+    block: usize,
+    adaptive: bool,
     rng: ChaCha8Rng,
     /// The last processed batch and its features (tree verifies pick rows from it).
     last_rows: Vec<BatchRow>,
@@ -178,20 +185,24 @@ impl Speculator {
         if !(1..=256).contains(&n_seq) {
             return Err(SpecError::Invalid(format!("n_seq is {n_seq}, expected 1..=256")));
         }
-        if opts.select == SelectMode::Upstream || opts.select == SelectMode::None {
-            return Err(SpecError::Invalid("select: greedy, best-path or tree".into()));
+        let d = &opts.draft;
+        if d.select == SelectMode::None || d.upstream.is_some() || d.lookup {
+            return Err(SpecError::Invalid("select: greedy, best-path or tree, with the drafter alone".into()));
         }
         let drafter = Drafter::new(drafter, &target, n_seq, opts.n_threads, CacheType::Q8_0, CacheType::Q8_0)?;
-        if opts.block == 1 || opts.block > drafter.trained_block() {
+        let (block, adaptive) = d.block.resolve(Some(drafter.trained_block()));
+        if block < 2 || block > drafter.trained_block() {
             return Err(SpecError::Invalid(format!(
-                "block size {}: 0 (adaptive) or 2..={} (the drafter's trained block)",
-                opts.block,
+                "block size {block}: 0 (adaptive) or 2..={} (the drafter's trained block)",
                 drafter.trained_block()
             )));
         }
         Ok(Self {
             target,
             drafter,
+            source: Dflash,
+            block,
+            adaptive,
             seqs: (0..n_seq).map(|_| Seq::default()).collect(),
             cost: CostModel::default(),
             rng: ChaCha8Rng::seed_from_u64(opts.seed),
@@ -221,7 +232,7 @@ impl Speculator {
 
     /// Whether drafts are token trees (select `tree`).
     pub fn tree_mode(&self) -> bool {
-        self.opts.select == SelectMode::Tree
+        self.opts.draft.select == SelectMode::Tree
     }
 
     pub fn n_seq(&self) -> usize {
@@ -255,7 +266,7 @@ impl Speculator {
     /// Start (or restart) sequence `seq`: its drafter cache and counters are emptied.
     pub fn begin(&mut self, seq: i32) -> Result<()> {
         let i = self.seq_index(seq)?;
-        self.drafter.truncate(seq, 0)?;
+        self.drafter.truncate(i, 0)?;
         self.seqs[i] = Seq { begun: true, at_prompt: true, ..Seq::default() };
         Ok(())
     }
@@ -265,7 +276,7 @@ impl Speculator {
     pub fn seq_rm(&mut self, seq: i32, p0: i64) -> Result<()> {
         let i = self.seq_index(seq)?;
         if p0 < 0 {
-            self.drafter.truncate(seq, 0)?;
+            self.drafter.truncate(i, 0)?;
             self.seqs[i] = Seq::default();
             return Ok(());
         }
@@ -277,7 +288,7 @@ impl Speculator {
         let s = &mut self.seqs[i];
         s.pending.split_off(&pos);
         if pos < s.injected {
-            self.drafter.truncate(i as i32, pos)?;
+            self.drafter.truncate(i, pos)?;
             s.injected = pos;
         }
         Ok(())
@@ -361,40 +372,35 @@ impl Speculator {
         self.begun(seq)?;
         if self.seqs[i].draft.is_some() {
             // an unreported verify: count it as nothing accepted
-            self.finish_cycle(i, 0);
+            self.finish_cycle(i, &[], None)?;
         }
         let started = Instant::now();
         self.seqs[i].at_prompt = false;
         self.inject_below(i, pos)?;
         let room = self.target.n_ctx_per_seq().saturating_sub(pos + 1);
-        let adaptive = self.opts.block == 0;
-        let block = if adaptive { self.drafter.trained_block() } else { self.opts.block };
-        let max_draft = (block - 1).min(room).min(max_len);
-        if max_draft == 0 || (adaptive && !self.cost.should_draft()) {
+        let max_draft = (self.block - 1).min(room).min(max_len);
+        if max_draft == 0 || !arbiter::decode_pays(&mut self.cost, &[], self.adaptive) {
             return Ok(DraftTree::default());
         }
-        // An adaptive block is as deep as the verifies have lately taken drafts in.
-        let depth = if adaptive { self.cost.draft_depth(max_draft) } else { max_draft };
-        let lattice = self.drafter.draft(&[(last, pos, seq)], depth + 1)?.pop().expect("one block, one lattice");
-        let lattice = lattice.truncated(max_draft);
-        let walk = self.opts.select.walk(true, self.opts.tree_budget);
-        let mut tree = select::draft(&lattice, walk, self.opts.temperature, &mut self.rng);
-        if adaptive {
-            tree.nodes.truncate(self.cost.choose_len(&tree.gains(), &tree));
-            let used = tree.nodes.iter().map(|n| n.depth).max().unwrap_or(0);
-            self.cost.record_used_depth(lattice.n_pos, block - 1, used);
+        // The engine's drafting step, for one sequence: the drafter's proposal and the arbiter's choice.
+        let walk = self.opts.draft.select.walk(true, self.opts.draft.tree_budget);
+        let temperature = self.opts.temperature;
+        let request = Request { seq: i, history: &[], last, pos, max_len: max_draft, walk, greedy: temperature <= 0.0, adaptive: self.adaptive };
+        let mut env = Env { target: &self.target, drafter: Some(&mut self.drafter), cost: &mut self.cost };
+        let proposal = self.source.propose(&mut env, &[request])?.pop().flatten();
+        let proposal = proposal.ok_or_else(|| SpecError::State("the drafter proposed nothing".into()))?;
+        let proposals = [proposal];
+        let choice = Choice { walk, adaptive: self.adaptive, greedy: temperature <= 0.0, temperature };
+        let tree = arbiter::choose(&proposals, &choice, &self.cost, &mut self.rng);
+        if self.adaptive {
+            arbiter::chosen(&mut self.cost, &proposals, &tree, self.block);
         }
-        if !tree.is_chain() {
-            tree = tree.depth_first();
-        }
-        let draft_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.cost.record_draft(draft_ms);
+        let [proposal] = proposals;
         let s = &mut self.seqs[i];
         s.stats.drafts += 1;
-        s.stats.draft_ms += draft_ms;
+        s.stats.draft_ms += ms_since(started);
         s.stats.drafted += tree.len() as u64;
-        let gains = tree.gains();
-        s.draft = Some(Draft { tree: tree.clone(), lattice: Some(lattice), temperature: self.opts.temperature, gains, started });
+        s.draft = Some(Draft { tree: tree.clone(), proposal, started });
         Ok(tree)
     }
 
@@ -435,24 +441,31 @@ impl Speculator {
                 "accepting {n_accepted} tokens of sequence {seq}, its last draft had {drafted}"
             )));
         }
-        self.finish_cycle(i, n_accepted);
-        Ok(())
+        // a path that deep (for a chain, its first tokens)
+        let path = match s.draft.as_ref().and_then(|d| d.tree.nodes.iter().position(|n| n.depth == n_accepted).map(|k| d.tree.path_to(k))) {
+            Some(path) => path,
+            None => Vec::new(),
+        };
+        self.finish_cycle(i, &path, None)
     }
 
-    fn finish_cycle(&mut self, i: usize, n_accepted: usize) {
+    /// Close `i`'s cycle: `path` the drafted nodes the target took (a tree verified by the
+    /// frontend reports only their depth: any path that deep teaches the drafter the same) and,
+    /// where known, its own next token.
+    fn finish_cycle(&mut self, i: usize, path: &[usize], next: Option<Token>) -> Result<()> {
         let s = &mut self.seqs[i];
         if std::mem::take(&mut s.at_prompt) {
-            return;
+            return Ok(());
         }
         s.stats.cycles += 1;
-        s.stats.accepted += n_accepted as u64;
+        s.stats.accepted += path.len() as u64;
         if let Some(d) = s.draft.take() {
-            if d.tree.is_chain() && !d.tree.is_empty() {
-                self.cost.record_acceptance(&d.gains, n_accepted);
-            }
-            self.cost.record_drafter_accepted(n_accepted);
-            self.cost.record_cycle(n_accepted + 1, 1, d.started.elapsed().as_secs_f64() * 1e3);
+            let outcome = Outcome { seq: i, tree: &d.tree, path, next };
+            let mut env = Env { target: &self.target, drafter: Some(&mut self.drafter), cost: &mut self.cost };
+            self.source.learn(&mut env, &d.proposal, &outcome, &mut Prediction::default())?;
+            self.cost.record_cycle(path.len() + 1, 1, ms_since(d.started));
         }
+        Ok(())
     }
 
     /// The frontend timed a target decode of `n_tokens` rows (what the adaptive block weighs).
@@ -507,7 +520,8 @@ impl Speculator {
             Ok(distribution(ids, probs))
         };
         let accepted: Accepted = if sample {
-            let qs = self.seqs[i].draft.as_ref().map_or_else(Vec::new, proposals);
+            let temperature = self.opts.temperature;
+            let qs = self.seqs[i].draft.as_ref().map_or_else(Vec::new, |d| arbiter::laws(std::slice::from_ref(&d.proposal), &d.tree, temperature));
             verify_tree(tree, &qs, law_at, &mut self.rng)?
         } else {
             accept_greedy(tree, |row| law_at(row).map(|d| d.argmax()))?
@@ -515,23 +529,10 @@ impl Speculator {
         chain.accept(accepted.bonus);
         let mut tokens: Vec<Token> = accepted.nodes.iter().map(|&n| tree.nodes[n].token).collect();
         tokens.push(accepted.bonus);
-        self.finish_cycle(i, accepted.nodes.len());
+        self.finish_cycle(i, &accepted.nodes, Some(accepted.bonus))?;
         Ok(tokens)
     }
 
-}
-
-/// The proposal each node of `d` was drawn from: the drafter's law at the drafting
-/// temperature, or one-hot on the node where the draft was the most likely path.
-fn proposals(d: &Draft) -> Vec<Vec<(i32, f32)>> {
-    d.tree
-        .nodes
-        .iter()
-        .map(|n| match (&d.lattice, d.temperature > 0.0) {
-            (Some(l), true) => proposal(l, n.depth - 1, n.parent.map_or(0, |p| d.tree.nodes[p].cand), d.temperature),
-            _ => vec![(n.token, 1.0)],
-        })
-        .collect()
 }
 
 /// A law as [`Distribution`] keeps it: positive probabilities, most likely first, ties by id.

@@ -201,7 +201,7 @@ fn engine_reply(prompt: &str, n_predict: usize) -> String {
     let mut engine = Engine::load(&cfg).unwrap();
     let tokens = common::chat_prompt(engine.model(), prompt);
     let block = engine.drafter().unwrap().trained_block();
-    let opts = GenerateOptions { n_predict, block, ..GenerateOptions::default() };
+    let opts = GenerateOptions { n_predict, draft: common::draft(SelectMode::Greedy, block), ..GenerateOptions::default() };
     engine.generate(&tokens, &opts, |_| true).unwrap().text
 }
 
@@ -408,7 +408,7 @@ fn sessions_reproduce_the_engine_step_by_step_and_streamed() {
     let mut engine = Engine::load(&cfg).unwrap();
     let block = engine.drafter().unwrap().trained_block();
     let expected = engine
-        .generate(&prompt, &GenerateOptions { n_predict, block, ..GenerateOptions::default() }, |_| true)
+        .generate(&prompt, &GenerateOptions { n_predict, draft: common::draft(SelectMode::Greedy, block), ..GenerateOptions::default() }, |_| true)
         .unwrap();
 
     // Step by step, with a buffer smaller than a cycle's tokens: the rest comes next call.
@@ -488,7 +488,7 @@ fn a_lookup_session_without_a_drafter_reproduces_plain_decoding() {
     let mut plain = Engine::load(&cfg).unwrap();
     let prompt = plain.model().tokenize("one two three one two three one two three one two", true, false).unwrap();
     let n_predict = 40;
-    let opts = GenerateOptions { n_predict, select: SelectMode::None, ..GenerateOptions::default() };
+    let opts = GenerateOptions { n_predict, draft: common::draft(SelectMode::None, 16), ..GenerateOptions::default() };
     let expected = plain.generate(&prompt, &opts, |_| true).unwrap();
 
     let mut s = null_mut();

@@ -260,7 +260,7 @@ fn dataset_train_convert_and_run_a_drafter_on_the_synthetic_target() {
     let mut e = Engine::from_models(t.clone(), Some(d), &cfg).unwrap();
     let prompt = t.tokenize("the quick brown fox jumps over", true, false).unwrap();
     let gen = |e: &mut Engine, select| {
-        let opts = GenerateOptions { n_predict: 48, select, block: 8, ..Default::default() };
+        let opts = GenerateOptions { n_predict: 48, draft: common::draft(select, 8), ..Default::default() };
         e.generate(&prompt, &opts, |_| true).unwrap().tokens
     };
     let plain = gen(&mut e, SelectMode::None);

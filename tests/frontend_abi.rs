@@ -125,13 +125,8 @@ fn smollm2_frontend_with_native_features_reproduces_plain_decoding_at_the_engine
             assert!(spec.stderr.contains("(features: native)"), "{}", spec.stderr);
             // The engine on the same tokens, block and selection drafts and accepts the same.
             let tokens = engine.model().tokenize(&prompt, true, true).unwrap();
-            let opts = GenerateOptions {
-                n_predict: 64,
-                block: 16,
-                select: if select == "greedy" { SelectMode::Greedy } else { SelectMode::BestPath },
-                adaptive: false,
-                ..GenerateOptions::default()
-            };
+            let mode = if select == "greedy" { SelectMode::Greedy } else { SelectMode::BestPath };
+            let opts = GenerateOptions { n_predict: 64, draft: common::draft(mode, 16), ..GenerateOptions::default() };
             engine.reset().unwrap();
             let g = engine.generate(&tokens, &opts, |_| true).unwrap();
             assert_eq!(g.tokens, spec.runs[0], "engine and frontend ({select}, {chat:?})");
@@ -570,7 +565,7 @@ fn a_tree_verified_with_one_sequence_per_leaf_gives_the_plain_tokens() {
     let plain = {
         let cfg = EngineConfig { n_ctx: 1024, repack: Repack::Off, ..EngineConfig::new(target.clone(), None) };
         let mut e = Engine::load(&cfg).unwrap();
-        let opts = GenerateOptions { n_predict: 12, select: SelectMode::None, ..GenerateOptions::default() };
+        let opts = GenerateOptions { n_predict: 12, draft: common::draft(SelectMode::None, 16), ..GenerateOptions::default() };
         e.generate(&prompt, &opts, |_| true).unwrap().tokens
     };
     let greedy = greedy_chain();

@@ -39,10 +39,10 @@ fn no_offloaded_layer_keeps_every_computation_on_the_cpu() {
     }
     let (target, mut plain, mut spec) = common::plain_and_speculative(&cfg, |_| {});
     let prompt = common::chat_prompt(&target, common::PROMPTS[0]);
-    let opts = GenerateOptions { n_predict: 24, select: SelectMode::None, ..Default::default() };
+    let opts = GenerateOptions { n_predict: 24, draft: common::draft(SelectMode::None, 16), ..Default::default() };
     let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
     for select in [SelectMode::Greedy, SelectMode::Tree] {
-        let g = spec.generate(&prompt, &GenerateOptions { select, block: 8, ..opts.clone() }, |_| true).unwrap();
+        let g = spec.generate(&prompt, &GenerateOptions { draft: common::draft(select, 8), ..opts.clone() }, |_| true).unwrap();
         assert_eq!(g.tokens, baseline.tokens, "{select:?}");
     }
 }
@@ -82,10 +82,10 @@ fn speculative_output_on_the_device_differs_only_at_near_ties() {
     let (mut near_ties, mut compared) = (0, 0);
     for text in [common::PROMPTS[2], "Write a haiku about autumn."] {
         let prompt = common::chat_prompt(&target, text);
-        let opts = GenerateOptions { n_predict: 32, select: SelectMode::None, n_probs: Some(2), ..Default::default() };
+        let opts = GenerateOptions { n_predict: 32, draft: common::draft(SelectMode::None, 16), n_probs: Some(2), ..Default::default() };
         let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
         for (select, rows) in [(SelectMode::Greedy, 8), (SelectMode::Tree, 33)] {
-            let g = spec.generate(&prompt, &GenerateOptions { select, block: 8, ..opts.clone() }, |_| true).unwrap();
+            let g = spec.generate(&prompt, &GenerateOptions { draft: common::draft(select, 8), ..opts.clone() }, |_| true).unwrap();
             near_ties += g.stats.near_ties;
             compared += 1;
             let Some(i) = g.tokens.iter().zip(&baseline.tokens).position(|(a, b)| a != b) else {
@@ -113,7 +113,7 @@ fn timed_phases_wait_for_the_device() {
     let (target, _) = Engine::load_models(&cfg).unwrap();
     let prompt = common::chat_prompt(&target, common::PROMPTS[1]);
     let mut plain = Engine::from_models(target, None, &cfg).unwrap();
-    let g = plain.generate(&prompt, &GenerateOptions { n_predict: 12, select: SelectMode::None, ..Default::default() }, |_| true).unwrap();
+    let g = plain.generate(&prompt, &GenerateOptions { n_predict: 12, draft: common::draft(SelectMode::None, 16), ..Default::default() }, |_| true).unwrap();
     let s = &g.stats;
     let generating = s.total_ms - s.prefill_ms;
     assert!(s.verify_ms >= 0.8 * generating, "decodes {:.1} ms of {:.1} ms generating: {s:?}", s.verify_ms, generating);

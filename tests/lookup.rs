@@ -4,7 +4,8 @@
 //! (Its T > 0 law is checked in `sampling_distribution.rs`.)
 mod common;
 
-use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
+use dflash2::cli::SelectArg;
+use dflash2::engine::{Block, Engine, EngineConfig, GenerateOptions, SelectMode, Upstream};
 use common::chat_prompt;
 use std::path::PathBuf;
 
@@ -15,9 +16,9 @@ const EDITING: [&str; 3] = [
     "Repeat this JSON with \"age\" changed to 31: {\"name\": \"Ada\", \"age\": 30, \"city\": \"London\", \"tags\": [\"math\", \"code\"]}",
 ];
 
-/// One way to decode: the select mode, the block (0: `auto`), and whether the drafter drafts
-/// beside the look-up (else the look-up drafts alone).
-type Mode = (SelectMode, usize, bool);
+/// One way to decode: the select mode (as `--select` names it), the block, and whether the
+/// drafter drafts beside the look-up (else the look-up drafts alone).
+type Mode = (SelectArg, Block, bool);
 
 
 /// Every mode with `lookup` gives plain decoding's tokens on every editing prompt; returns
@@ -36,23 +37,16 @@ fn check(file: &str, drafter: Option<PathBuf>, n_predict: usize, modes: &[Mode])
     let mut taken = 0;
     for (i, text) in EDITING.iter().enumerate() {
         let prompt = chat_prompt(&target, text);
-        let opts = GenerateOptions { n_predict, select: SelectMode::None, ..Default::default() };
+        let opts = GenerateOptions { n_predict, draft: common::draft(SelectMode::None, 16), ..Default::default() };
         let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
         for &(select, block, use_drafter) in modes {
-            let opts = GenerateOptions {
-                n_predict,
-                select,
-                block: if block == 0 { 16 } else { block },
-                adaptive: block == 0,
-                tree_budget: 12,
-                lookup: true,
-                ..Default::default()
-            };
+            let draft = dflash2::engine::DraftConfig { tree_budget: 12, lookup: true, ..common::draft_as(select, block) };
+            let opts = GenerateOptions { n_predict, draft, ..Default::default() };
             let engine = if use_drafter { &mut with_drafter } else { &mut plain };
             let g = engine.generate(&prompt, &opts, |_| true).unwrap();
             assert_eq!(
                 g.tokens, baseline.tokens,
-                "{file}, {select:?}, block {block}, drafter {use_drafter}, prompt {i}: look-up output differs from plain\nplain: {}\nspec:  {}",
+                "{file}, {select:?}, block {block:?}, drafter {use_drafter}, prompt {i}: look-up output differs from plain\nplain: {}\nspec:  {}",
                 baseline.text, g.text
             );
             assert!(use_drafter || g.stats.from_drafter.drafted == 0, "no drafter, yet drafter tokens");
@@ -66,15 +60,15 @@ fn check(file: &str, drafter: Option<PathBuf>, n_predict: usize, modes: &[Mode])
 }
 
 const ALL_MODES: [Mode; 9] = [
-    (SelectMode::Greedy, 8, true),
-    (SelectMode::BestPath, 8, true),
-    (SelectMode::Tree, 8, true),
-    (SelectMode::Greedy, 0, true),
-    (SelectMode::Tree, 0, true),
-    (SelectMode::Greedy, 8, false),
-    (SelectMode::Tree, 8, false),
-    (SelectMode::Greedy, 0, false),
-    (SelectMode::Upstream, 8, true),
+    (SelectArg::Greedy, Block::Fixed(8), true),
+    (SelectArg::BestPath, Block::Fixed(8), true),
+    (SelectArg::Tree, Block::Fixed(8), true),
+    (SelectArg::Greedy, Block::Auto, true),
+    (SelectArg::Tree, Block::Auto, true),
+    (SelectArg::Greedy, Block::Fixed(8), false),
+    (SelectArg::Tree, Block::Fixed(8), false),
+    (SelectArg::Greedy, Block::Auto, false),
+    (SelectArg::Upstream, Block::Fixed(8), true),
 ];
 
 #[test]
@@ -108,9 +102,10 @@ fn llama_cpp_ngram_drafts_verified_here_equal_plain() {
         let (mut drafted, mut accepted) = (0, 0);
         for (i, text) in EDITING.iter().enumerate() {
             let prompt = chat_prompt(&target, text);
-            let plain = GenerateOptions { n_predict: 64, select: SelectMode::None, ..Default::default() };
+            let plain = GenerateOptions { n_predict: 64, draft: common::draft(SelectMode::None, 16), ..Default::default() };
             let baseline = engine.generate(&prompt, &plain, |_| true).unwrap();
-            let opts = GenerateOptions { n_predict: 64, block: 16, llama_ngram: Some(kind), ..Default::default() };
+            let draft = dflash2::engine::DraftConfig { upstream: Some(Upstream::Ngram(kind)), ..common::draft(SelectMode::Greedy, 16) };
+            let opts = GenerateOptions { n_predict: 64, draft, ..Default::default() };
             let g = engine.generate(&prompt, &opts, |_| true).unwrap();
             assert_eq!(g.tokens, baseline.tokens, "llama {kind}, prompt {i}: output differs from plain\nplain: {}\nspec:  {}", baseline.text, g.text);
             assert_eq!(engine.cache_extents().0, engine.cached_tokens().len(), "target cache out of step");

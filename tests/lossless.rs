@@ -30,7 +30,7 @@ fn engine(target: &Arc<Model>, drafter: Option<&Arc<Model>>) -> Engine {
 }
 
 fn generate(e: &mut Engine, prompt: &[Token], select: SelectMode, block: usize, n: usize) -> Generation {
-    let opts = GenerateOptions { n_predict: n, select, block, tree_budget: 12, ..Default::default() };
+    let opts = GenerateOptions { n_predict: n, draft: dflash2::engine::DraftConfig { tree_budget: 12, ..common::draft(select, block) }, ..Default::default() };
     let g = e.generate(prompt, &opts, |_| true).unwrap();
     let (target_len, drafter_len) = e.cache_extents();
     assert_eq!(target_len, e.cached_tokens().len(), "target cache holds uncommitted cells");
@@ -151,7 +151,7 @@ fn generation_stops_at_the_end_of_the_context() {
         cfg.n_ctx = 48;
         let mut e = Engine::from_models(target.clone(), drafter.cloned(), &cfg).unwrap();
         let prompt = target.tokenize("The quick brown fox", true, false).unwrap();
-        let opts = GenerateOptions { n_predict: 1000, block: 16, ..Default::default() };
+        let opts = GenerateOptions { n_predict: 1000, draft: common::draft(SelectMode::Greedy, 16), ..Default::default() };
         let g = e.generate(&prompt, &opts, |_| true).unwrap();
         assert_eq!(g.finish, dflash2::engine::FinishReason::Context);
         assert_eq!(prompt.len() + g.tokens.len(), e.n_ctx() + 1, "the last token is committed but never decoded");
@@ -188,7 +188,7 @@ fn batched_slots_equal_plain_decoding_run_alone() {
                 let Some(i) = queue.pop_front() else { break };
                 let slot = (0..e.n_slots()).find(|s| active.iter().all(|(_, r)| r.slot() != *s)).unwrap();
                 let select = [SelectMode::Greedy, SelectMode::BestPath, SelectMode::Tree][i % 3];
-                let opts = GenerateOptions { n_predict: n_predict(i), select, block: 2 + i % 7, ..Default::default() };
+                let opts = GenerateOptions { n_predict: n_predict(i), draft: common::draft(select, 2 + i % 7), ..Default::default() };
                 active.push((i, e.start_in(slot, &prompts[i], &opts).unwrap()));
             }
             max_together = max_together.max(active.len());

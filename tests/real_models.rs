@@ -4,7 +4,8 @@
 //! shipped, trained drafter on held-apart HumanEval prompts (it must also be accepted).
 mod common;
 
-use dflash2::engine::{CacheTypes, Engine, EngineConfig, GenerateOptions, SelectMode};
+use dflash2::cli::SelectArg;
+use dflash2::engine::{Block, CacheTypes, DraftConfig, Engine, EngineConfig, GenerateOptions, SelectMode};
 use dflash2::llama::{CacheType, ChatMessage, Model};
 use dflash2::template::{ChatTemplate, TemplateChoice};
 use common::chat_prompt;
@@ -33,7 +34,7 @@ fn check_target(
     drafter: Option<&Path>,
     prompts: &[String],
     n_predict: usize,
-    modes: &[(SelectMode, usize)],
+    modes: &[(SelectArg, usize)],
     tree_budget: usize,
     cache: CacheTypes,
 ) -> Vec<Tally> {
@@ -60,13 +61,14 @@ fn check_target(
         // Log-probabilities too: read from the rows that chose each token, they must be plain
         // decoding's bit for bit (side branches re-decoded included).
         let n_probs = Some(3);
-        let opts = GenerateOptions { n_predict, select: SelectMode::None, n_probs, ..Default::default() };
+        let opts = GenerateOptions { n_predict, draft: common::draft(SelectMode::None, 16), n_probs, ..Default::default() };
         let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
         assert!(!baseline.text.trim().is_empty(), "{file}: empty baseline for prompt {i}");
         assert_eq!(baseline.probs.len(), baseline.tokens.len());
         assert!(baseline.probs.iter().zip(&baseline.tokens).all(|(p, &t)| p.id == t && p.top[0].0 == t), "greedy picks the top token");
         for (m, &(select, block)) in modes.iter().enumerate() {
-            let opts = GenerateOptions { n_predict, select, block, tree_budget, n_probs, ..Default::default() };
+            let draft = DraftConfig { tree_budget, ..common::draft_as(select, Block::Fixed(block)) };
+            let opts = GenerateOptions { n_predict, draft, n_probs, ..Default::default() };
             let g = spec.generate(&prompt, &opts, |_| true).unwrap();
             assert_eq!(
                 g.tokens, baseline.tokens,
@@ -118,7 +120,7 @@ fn smollm2_speculative_equals_plain() {
         None,
         &fixed_prompts(),
         48,
-        &[(SelectMode::Greedy, 16), (SelectMode::Greedy, 4), (SelectMode::BestPath, 8), (SelectMode::Tree, 6), (SelectMode::Upstream, 8)],
+        &[(SelectArg::Greedy, 16), (SelectArg::Greedy, 4), (SelectArg::BestPath, 8), (SelectArg::Tree, 6), (SelectArg::Upstream, 8)],
         8,
         CacheTypes::default(),
     );
@@ -127,7 +129,7 @@ fn smollm2_speculative_equals_plain() {
 #[test]
 fn qwen2_coder_speculative_equals_plain() {
     assert!(Path::new(&common::real_model(common::QWEN_05B)).is_file());
-    check_target(common::QWEN_05B, None, &fixed_prompts(), 24, &[(SelectMode::Greedy, 4), (SelectMode::BestPath, 4), (SelectMode::Tree, 4)], 8, CacheTypes::default());
+    check_target(common::QWEN_05B, None, &fixed_prompts(), 24, &[(SelectArg::Greedy, 4), (SelectArg::BestPath, 4), (SelectArg::Tree, 4)], 8, CacheTypes::default());
 }
 
 /// Under `--block auto` a drafter whose drafts are not verified (a random one: after its
@@ -145,10 +147,11 @@ fn smollm2_probes_of_a_drafter_that_is_not_verified_draft_the_shallowest_block()
     let (target, drafter) = Engine::load_models(&cfg).unwrap();
     let prompt = chat_prompt(&target, PROMPTS[0]);
     let n_predict = 128;
-    let plain_opts = GenerateOptions { n_predict, select: SelectMode::None, ..Default::default() };
+    let plain_opts = GenerateOptions { n_predict, draft: common::draft(SelectMode::None, 16), ..Default::default() };
     let baseline = Engine::from_models(target.clone(), None, &cfg).unwrap().generate(&prompt, &plain_opts, |_| true).unwrap();
     assert!(baseline.tokens.len() >= 100, "the answer ended early: too few cycles to probe the drafter");
-    let opts = GenerateOptions { n_predict, select: SelectMode::Greedy, block: 16, adaptive: true, ..Default::default() };
+    let draft = DraftConfig { block: Block::Auto, ..common::draft(SelectMode::Greedy, 16) };
+    let opts = GenerateOptions { n_predict, draft, ..Default::default() };
     let g = Engine::from_models(target.clone(), drafter, &cfg).unwrap().generate(&prompt, &opts, |_| true).unwrap();
     assert_eq!(g.tokens, baseline.tokens, "random drafter, --block auto: output differs from plain\nplain: {}\nspec:  {}", baseline.text, g.text);
     let (calls, positions) = (g.stats.n_draft_calls, g.stats.n_draft_positions);
@@ -169,7 +172,7 @@ const TRAINED_TAU_FLOOR: f64 = 1.3;
 fn smollm2_shipped_drafter_is_lossless_and_accepted() {
     let drafter = common::shipped_drafter();
     let prompts = heldout_prompts(0..10);
-    let modes = [(SelectMode::Greedy, 16), (SelectMode::BestPath, 16), (SelectMode::Tree, 16), (SelectMode::Greedy, 4)];
+    let modes = [(SelectArg::Greedy, 16), (SelectArg::BestPath, 16), (SelectArg::Tree, 16), (SelectArg::Greedy, 4)];
     let tally = check_target(common::SMOLLM2, Some(&drafter), &prompts, 64, &modes, 8, CacheTypes::default());
     let tau: Vec<f64> = tally.iter().map(|t| t.tau).collect();
     eprintln!("shipped drafter tau (greedy 16, best-path 16, tree 16, greedy 4): {tau:?}");
@@ -182,7 +185,7 @@ fn smollm2_shipped_drafter_is_lossless_and_accepted() {
 #[test]
 fn smollm2_tree_side_branches_match_plain_decoding() {
     let drafter = common::shipped_drafter();
-    let tally = check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(7..8), 128, &[(SelectMode::Tree, 16)], 32, CacheTypes::default());
+    let tally = check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(7..8), 128, &[(SelectArg::Tree, 16)], 32, CacheTypes::default());
     assert!(tally[0].redecoded > 0, "no side branch was accepted: the test no longer covers them");
 }
 
@@ -199,10 +202,10 @@ fn smollm2_grammar_constrained_output_is_lossless() {
     let cases = [("Describe a person called Ann who is 31.", json.clone()), ("Is the sea salty?", yes_no)];
     for (text, grammar) in cases {
         let prompt = chat_prompt(&target, text);
-        let opts = GenerateOptions { n_predict: 48, select: SelectMode::None, grammar: Some(grammar.clone()), ..Default::default() };
+        let opts = GenerateOptions { n_predict: 48, draft: common::draft(SelectMode::None, 16), grammar: Some(grammar.clone()), ..Default::default() };
         let baseline = plain.generate(&prompt, &opts, |_| true).unwrap_or_else(|e| panic!("{e}: {grammar}"));
         for (select, lookup) in [(SelectMode::Greedy, false), (SelectMode::BestPath, false), (SelectMode::Tree, true)] {
-            let opts = GenerateOptions { select, block: 8, lookup, ..opts.clone() };
+            let opts = GenerateOptions { draft: DraftConfig { lookup, ..common::draft(select, 8) }, ..opts.clone() };
             let g = spec.generate(&prompt, &opts, |_| true).unwrap();
             assert_eq!(g.tokens, baseline.tokens, "{select:?} on {text:?}: {:?} vs {:?}", g.text, baseline.text);
             assert!(g.stats.n_drafted > 0);
@@ -219,7 +222,7 @@ fn smollm2_grammar_constrained_output_is_lossless() {
     let prompt = chat_prompt(&target, "Describe a person called Ann who is 31.");
     for seed in 0..6 {
         let sampling = dflash2::sampling::SamplingParams { temperature: 0.8, seed, ..Default::default() };
-        let opts = GenerateOptions { n_predict: 64, select: SelectMode::Tree, block: 8, grammar: Some(json.clone()), sampling, ..Default::default() };
+        let opts = GenerateOptions { n_predict: 64, draft: common::draft(SelectMode::Tree, 8), grammar: Some(json.clone()), sampling, ..Default::default() };
         let g = spec.generate(&prompt, &opts, |_| true).unwrap();
         if g.finish == dflash2::engine::FinishReason::Eog {
             let v: serde_json::Value = serde_json::from_str(&g.text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {:?}", g.text));
@@ -241,7 +244,7 @@ fn smollm2_lazy_grammar_holds_from_its_trigger_and_is_lossless() {
     let grammar = r#"root ::= "the" [a-z ]* ".""#.to_string();
     let opts = GenerateOptions {
         n_predict: 64,
-        select: SelectMode::None,
+        draft: common::draft(SelectMode::None, 16),
         grammar: Some(grammar),
         grammar_triggers: vec!["the".into()],
         ..Default::default()
@@ -257,7 +260,7 @@ fn smollm2_lazy_grammar_holds_from_its_trigger_and_is_lossless() {
     assert!(held.ends_with('.') && held.matches('.').count() == 1, "{text:?}");
     assert_eq!(baseline.finish, dflash2::engine::FinishReason::Eog, "{text:?}");
     for (select, lookup) in [(SelectMode::Greedy, false), (SelectMode::BestPath, false), (SelectMode::Tree, true)] {
-        let opts = GenerateOptions { select, block: 8, lookup, ..opts.clone() };
+        let opts = GenerateOptions { draft: DraftConfig { lookup, ..common::draft(select, 8) }, ..opts.clone() };
         let g = spec.generate(&prompt, &opts, |_| true).unwrap();
         assert_eq!(g.tokens, baseline.tokens, "{select:?}: {:?} vs {:?}", g.text, baseline.text);
         assert!(g.stats.n_drafted > 0);
@@ -276,10 +279,11 @@ fn smollm2_near_tie_guard_cuts_cycles_and_stays_lossless() {
     let mut cuts = 0;
     for text in ["Tell me about the sea.", "Write a haiku about autumn.", "def fibonacci(n):"] {
         let prompt = chat_prompt(&target, text);
-        let opts = GenerateOptions { n_predict: 48, select: SelectMode::None, ..Default::default() };
+        let opts = GenerateOptions { n_predict: 48, draft: common::draft(SelectMode::None, 16), ..Default::default() };
         let baseline = plain.generate(&prompt, &opts, |_| true).unwrap();
         for (select, lookup) in [(SelectMode::Greedy, false), (SelectMode::BestPath, true), (SelectMode::Tree, true)] {
-            let g = spec.generate(&prompt, &GenerateOptions { select, block: 8, lookup, ..opts.clone() }, |_| true).unwrap();
+            let draft = DraftConfig { lookup, ..common::draft(select, 8) };
+            let g = spec.generate(&prompt, &GenerateOptions { draft, ..opts.clone() }, |_| true).unwrap();
             assert_eq!(g.tokens, baseline.tokens, "{select:?} on {text:?}: {:?} vs {:?}", g.text, baseline.text);
             assert!(g.stats.n_draft_accepted > 0, "{select:?}: nothing accepted");
             cuts += g.stats.near_ties;
@@ -294,7 +298,7 @@ fn smollm2_near_tie_guard_cuts_cycles_and_stays_lossless() {
 fn smollm2_quantized_target_k_cache_stays_lossless() {
     let drafter = common::shipped_drafter();
     let cache = CacheTypes { target_k: CacheType::Q8_0, draft_k: CacheType::F16, draft_v: CacheType::F16, ..CacheTypes::default() };
-    let modes = [(SelectMode::Greedy, 16), (SelectMode::Tree, 16)];
+    let modes = [(SelectArg::Greedy, 16), (SelectArg::Tree, 16)];
     check_target(common::SMOLLM2, Some(&drafter), &heldout_prompts(0..4), 64, &modes, 16, cache);
 }
 

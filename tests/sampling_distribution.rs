@@ -4,7 +4,7 @@
 //! same test must reject a deliberately broken verifier.
 mod common;
 
-use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
+use dflash2::engine::{DraftConfig, Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
 use dflash2::llama::{Model, ModelParams, Token};
 use dflash2::sampling::SamplingParams;
 use std::path::PathBuf;
@@ -88,10 +88,7 @@ fn sample(
         .map(|seed| {
             let opts = GenerateOptions {
                 n_predict: N_TOKENS,
-                select,
-                block: 4,
-                tree_budget: 6,
-                lookup,
+                draft: DraftConfig { tree_budget: 6, lookup, ..common::draft(select, 4) },
                 sampling: SamplingParams { temperature: temp, top_k: 0, top_p: 0.9, min_p: 0.0, seed, ..Default::default() },
                 verifier,
                 grammar: grammar.map(str::to_string),

@@ -2,9 +2,13 @@
 //! `--select upstream` (that driver, through our verification) stays lossless.
 mod common;
 
+use dflash2::cli::SelectArg;
+use dflash2::draft::cost::CostModel;
 use dflash2::draft::drafter::Drafter;
-use dflash2::draft::select::{Greedy, Selector};
-use dflash2::engine::{Engine, EngineConfig, GenerateOptions, SelectMode};
+use dflash2::draft::select::{Greedy, Selector, Walk};
+use dflash2::draft::source::{Draft, DraftSource, Env, Request};
+use dflash2::draft::upstream::UpstreamSource;
+use dflash2::engine::{Block, Engine, EngineConfig, GenerateOptions, SelectMode, Upstream};
 use dflash2::llama::{CacheType, Batch, Context, ContextParams, FeatureSource, Model, ModelParams};
 use std::path::Path;
 use std::sync::Arc;
@@ -20,6 +24,8 @@ fn same_drafts(target: Arc<Model>, drafter_model: Arc<Model>, prompts: &[&str]) 
     let mut ctx = Context::new(target.clone(), &params, None).unwrap();
     let mut drafter = Drafter::new(drafter_model, &ctx, 1, 2, CacheType::Q8_0, CacheType::Q8_0).unwrap();
     let block = drafter.trained_block();
+    let mut upstream = UpstreamSource::new(Upstream::Dflash, &ctx, Some(&drafter), 1).unwrap();
+    let mut cost = CostModel::default();
     let mut compared = 0;
     for text in prompts {
         ctx.clear_memory();
@@ -37,9 +43,13 @@ fn same_drafts(target: Arc<Model>, drafter_model: Arc<Model>, prompts: &[&str]) 
 
         let lattice = drafter.draft(&[(last, prefix.len(), 0)], block).unwrap().remove(0);
         let ours: Vec<i32> = Greedy.select(&lattice, block - 1).nodes.iter().map(|n| n.token).collect();
-        let theirs = drafter.draft_upstream(&ctx, 0, last, prefix.len(), block - 1).unwrap();
+        let request = Request { seq: 0, history: prefix, last, pos: prefix.len(), max_len: block - 1, walk: Walk::Greedy, greedy: true, adaptive: false };
+        let mut env = Env { target: &ctx, drafter: Some(&mut drafter), cost: &mut cost };
+        let proposal = upstream.propose(&mut env, &[request]).unwrap().remove(0).expect("a proposal");
+        let Draft::Fixed(tree) = proposal.draft else { panic!("llama.cpp's driver drafts a fixed chain") };
+        let theirs: Vec<i32> = tree.nodes.iter().map(|n| n.token).collect();
         assert_eq!(ours, theirs, "prompt {text:?}: our greedy walk differs from llama.cpp's");
-        assert_eq!(drafter.cached_len(0), prefix.len(), "a block stayed in the drafter cache");
+        assert_eq!(drafter.extent(0), prefix.len(), "a block stayed in the drafter cache");
         compared += ours.len();
     }
     assert!(compared > 0);
@@ -68,8 +78,8 @@ fn upstream_mode_is_lossless_and_refuses_targets_without_extraction() {
     let mut spec = Engine::from_models(target.clone(), Some(load(&dir.join("drafter-dflash2.gguf"))), &cfg).unwrap();
     for text in &common::PROMPTS[..8] {
         let prompt = target.tokenize(text, true, false).unwrap();
-        let base = plain.generate(&prompt, &GenerateOptions { n_predict: 32, select: SelectMode::None, ..Default::default() }, |_| true).unwrap();
-        let opts = GenerateOptions { n_predict: 32, select: SelectMode::Upstream, block: 8, ..Default::default() };
+        let base = plain.generate(&prompt, &GenerateOptions { n_predict: 32, draft: common::draft(SelectMode::None, 16), ..Default::default() }, |_| true).unwrap();
+        let opts = GenerateOptions { n_predict: 32, draft: common::draft_as(SelectArg::Upstream, Block::Fixed(8)), ..Default::default() };
         let g = spec.generate(&prompt, &opts, |_| true).unwrap();
         assert_eq!(g.tokens, base.tokens, "{text:?}");
         assert!(g.stats.n_drafted > 0);
@@ -80,7 +90,7 @@ fn upstream_mode_is_lossless_and_refuses_targets_without_extraction() {
     let qwen_drafter = dflash2::gguf::synth::synth_for_target(&qwen_path, &dir, 0).unwrap().path;
     let mut e = Engine::from_models(load(&qwen_path), Some(load(&qwen_drafter)), &cfg).unwrap();
     let prompt = e.model().tokenize("def f(x):", true, false).unwrap();
-    let opts = GenerateOptions { n_predict: 8, select: SelectMode::Upstream, block: 4, ..Default::default() };
+    let opts = GenerateOptions { n_predict: 8, draft: common::draft_as(SelectArg::Upstream, Block::Fixed(4)), ..Default::default() };
     let err = e.generate(&prompt, &opts, |_| true).unwrap_err().to_string();
     assert!(err.contains("layer extraction"), "{err}");
 }

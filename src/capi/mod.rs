@@ -4,9 +4,8 @@
 //! into C), returns a [`Status`] and leaves a message for `dflash2_last_error` on failure.
 //! The header is the contract; the layouts here must match it (tests/capi.rs checks them).
 use crate::text::Utf8Stream;
-use crate::engine::{
-    default_threads, Engine, EngineConfig, EngineError, FinishReason, GenerateOptions, Run, SelectMode, Stats,
-};
+use crate::draft::config::{Block, DraftConfig, SelectMode, DEFAULT_LOOKUP_NGRAM, LOOKUP_BLOCK};
+use crate::engine::{default_threads, Engine, EngineConfig, EngineError, FinishReason, GenerateOptions, Run, Stats};
 use crate::llama::{ChatMessage, LlamaError, Model, Token};
 use crate::template::{ChatTemplate, TemplateChoice};
 use crate::sampling::SamplingParams;
@@ -121,7 +120,9 @@ pub struct EngineHandle {
     template: std::sync::OnceLock<std::result::Result<ChatTemplate, String>>,
     drafter: Option<Arc<Model>>,
     config: EngineConfig,
-    /// `block` 0 here: the drafter's trained block, resolved per session.
+    /// The block every session drafts with (None: the drafter's trained block).
+    block: Option<usize>,
+    /// What every session starts from (its block set per session).
     opts: GenerateOptions,
 }
 
@@ -350,8 +351,9 @@ fn sampling_params(s: &CSampling) -> Result<SamplingParams> {
     })
 }
 
-/// The checked engine settings; the model files are checked and loaded afterwards.
-fn engine_settings(p: &CEngineParams) -> Result<(EngineConfig, GenerateOptions)> {
+/// The checked engine settings and block (`block_size` 0: none, the drafter's); the model files
+/// are checked and loaded afterwards.
+fn engine_settings(p: &CEngineParams) -> Result<(EngineConfig, GenerateOptions, Option<usize>)> {
     let target = c_str(p.target_path, "params->target_path")?;
     if target.is_empty() {
         return err(Status::InvalidArg, "params->target_path is empty");
@@ -392,16 +394,15 @@ fn engine_settings(p: &CEngineParams) -> Result<(EngineConfig, GenerateOptions)>
     cfg.n_ctx = p.n_ctx as usize;
     cfg.n_threads = p.n_threads;
     cfg.n_gpu_layers = p.n_gpu_layers;
-    let opts = GenerateOptions {
+    let draft = DraftConfig {
         select: select_mode(p.select)?,
-        block: p.block_size as usize,
         tree_budget: p.tree_budget as usize,
         lookup: p.lookup_ngram > 0,
-        lookup_ngram: if p.lookup_ngram > 0 { p.lookup_ngram as usize } else { crate::engine::DEFAULT_LOOKUP_NGRAM },
-        sampling: sampling_params(&p.sampling)?,
-        ..GenerateOptions::default()
+        lookup_ngram: if p.lookup_ngram > 0 { p.lookup_ngram as usize } else { DEFAULT_LOOKUP_NGRAM },
+        ..DraftConfig::default()
     };
-    Ok((cfg, opts))
+    let opts = GenerateOptions { draft, sampling: sampling_params(&p.sampling)?, ..GenerateOptions::default() };
+    Ok((cfg, opts, Some(p.block_size as usize).filter(|&b| b > 0)))
 }
 
 impl SessionState {
@@ -461,7 +462,7 @@ pub unsafe extern "C" fn dflash2_engine_params_init(params: *mut CEngineParams) 
             n_gpu_layers: 999,
             block_size: 0,
             select: SELECT_GREEDY,
-            tree_budget: o.tree_budget as u32,
+            tree_budget: o.draft.tree_budget as u32,
             sampling: CSampling {
                 temperature: s.temperature,
                 top_k: s.top_k,
@@ -471,7 +472,7 @@ pub unsafe extern "C" fn dflash2_engine_params_init(params: *mut CEngineParams) 
                 repeat_last_n: s.repeat_last_n,
                 seed: s.seed,
             },
-            lookup_ngram: crate::engine::DEFAULT_LOOKUP_NGRAM as u32,
+            lookup_ngram: DEFAULT_LOOKUP_NGRAM as u32,
         };
         Ok(())
     })
@@ -484,9 +485,9 @@ pub unsafe extern "C" fn dflash2_engine_new(params: *const CEngineParams, out: *
     guard(|| {
         let out = out_ptr(out, "out")?;
         *out = std::ptr::null_mut();
-        let (config, opts) = engine_settings(non_null(params, "params")?)?;
+        let (config, opts, block) = engine_settings(non_null(params, "params")?)?;
         let (target, drafter) = Engine::load_models(&config)?;
-        *out = Box::into_raw(Box::new(EngineHandle { target, template: Default::default(), drafter, config, opts }));
+        *out = Box::into_raw(Box::new(EngineHandle { target, template: Default::default(), drafter, config, block, opts }));
         Ok(())
     })
 }
@@ -595,9 +596,8 @@ pub unsafe extern "C" fn dflash2_session_new(engine: *const EngineHandle, out: *
         let e = non_null(engine, "engine")?;
         let engine = Engine::from_models(e.target.clone(), e.drafter.clone(), &e.config)?;
         let mut opts = e.opts.clone();
-        if opts.block == 0 {
-            opts.block = engine.drafter().map_or(crate::engine::LOOKUP_BLOCK, |d| d.trained_block());
-        }
+        let trained = || engine.drafter().map_or(LOOKUP_BLOCK, |d| d.trained_block());
+        opts.draft.block = Block::Fixed(e.block.unwrap_or_else(trained));
         let state = SessionState { engine, opts, run: None, emitted: 0, final_stats: None };
         *out = Box::into_raw(Box::new(SessionHandle { state: Mutex::new(state) }));
         Ok(())

@@ -2,6 +2,7 @@
 //! a llama.cpp frontend's own model and context, over [`Speculator`]. Same rules as the
 //! engine ABI: validated arguments, a status and a message, no panic across.
 use super::{check_tokens, err, free_handle, guard, non_null, out_buf, out_ptr, select_mode, slice, Error, Result, Status};
+use crate::draft::config::{Block, DraftConfig};
 use crate::llama::{Capture, Context, FeatureSource, ForeignChain, LlamaError, Model};
 use crate::speculator::{check_drafter_for, load_drafter_for, BatchRow, SpecError, SpecOptions, Speculator};
 use llama_cpp_sys_2 as sys;
@@ -240,10 +241,13 @@ pub unsafe extern "C" fn dflash2_spec_init(
             n if n > 0 => n,
             n => return err(Status::InvalidArg, format!("n_threads is {n}")),
         };
+        let block = match p.block_size {
+            0 => Block::Auto,
+            n => Block::Fixed(n as usize),
+        };
+        let draft = DraftConfig { select: select_mode(p.select)?, block, tree_budget: p.tree_budget as usize, ..DraftConfig::default() };
         let opts = SpecOptions {
-            block: p.block_size as usize,
-            select: select_mode(p.select)?,
-            tree_budget: p.tree_budget as usize,
+            draft,
             temperature: p.temperature,
             seed: p.seed,
             n_threads,

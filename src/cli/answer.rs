@@ -16,7 +16,8 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
-use crate::engine::{Engine, GenerateOptions, Run, SelectMode};
+use crate::draft::config::{DraftConfig, SelectMode};
+use crate::engine::{Engine, GenerateOptions, Run};
 use crate::llama::ChatMessage;
 
 #[derive(clap::Args, Debug)]
@@ -104,7 +105,8 @@ pub fn run(args: &AnswerArgs) -> Result<()> {
             let Some(job) = todo.pop_front() else { break };
             let msgs = [ChatMessage { role: "user".into(), content: job.row["prompt"].as_str().unwrap_or_default().into() }];
             let prompt = template.tokens(&model, &msgs)?;
-            let mut opts = GenerateOptions { n_predict: args.n_predict, select: SelectMode::None, ..Default::default() };
+            let draft = DraftConfig { select: SelectMode::None, ..DraftConfig::default() };
+            let mut opts = GenerateOptions { n_predict: args.n_predict, draft, ..Default::default() };
             if job.sample > 0 {
                 opts.sampling.temperature = args.temp;
                 // one seed per (prompt, sample): reruns and resumed runs write the same answers

@@ -3,7 +3,9 @@
 //! Modes run one after another on the same prompt before moving to the next run, so a
 //! slow moment of the machine hits all modes alike; speedups are ratios of runs measured
 //! next to each other. At temperature 0 every mode's tokens are checked against `none`.
-use crate::engine::{Engine, GenerateOptions, Generation, SelectMode};
+use super::SelectArg;
+use crate::draft::config::{Block, DraftConfig, Upstream, DEFAULT_LOOKUP_NGRAM};
+use crate::engine::{Engine, GenerateOptions, Generation};
 use crate::llama::{ChatMessage, Model, Token};
 use std::path::PathBuf;
 
@@ -23,10 +25,10 @@ pub struct BenchArgs {
     pub n_predict: usize,
     /// Modes to compare (`none` is always run: it is the baseline).
     #[arg(long, value_delimiter = ',', default_value = "none,greedy,best-path,tree")]
-    pub select: Vec<SelectMode>,
+    pub select: Vec<SelectArg>,
     /// Block size or `auto`.
     #[arg(long, default_value = "auto")]
-    pub block: super::BlockArg,
+    pub block: Block,
     /// Node budget of token trees.
     #[arg(long, default_value_t = 32)]
     pub tree_budget: usize,
@@ -35,7 +37,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub lookup: bool,
     /// Longest suffix the look-up matches.
-    #[arg(long, default_value_t = crate::engine::DEFAULT_LOOKUP_NGRAM)]
+    #[arg(long, default_value_t = DEFAULT_LOOKUP_NGRAM)]
     pub lookup_ngram: usize,
     /// Also run llama.cpp's own n-gram drafting of these types, in-process with its default
     /// settings (`llama ngram-mod`, ...): the baselines of the look-up. Comma-separated:
@@ -58,7 +60,7 @@ pub struct BenchArgs {
 /// One way of decoding that the bench compares.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Variant {
-    select: SelectMode,
+    select: SelectArg,
     drafter: bool,
     lookup: bool,
     /// llama.cpp's n-gram drafting of this type instead.
@@ -70,7 +72,7 @@ impl Variant {
         if let Some(kind) = self.llama_ngram {
             return format!("llama {kind}");
         }
-        let mode = serde_json::to_value(self.select).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+        let mode = clap::ValueEnum::to_possible_value(&self.select).map(|v| v.get_name().to_string()).unwrap_or_default();
         match (self.drafter, self.lookup) {
             (true, true) => format!("{mode}+lookup"),
             (false, true) => format!("lookup {mode}"),
@@ -82,31 +84,44 @@ impl Variant {
     /// with the drafter and the look-up, and with the look-up alone (paths are all alike
     /// there: `greedy` stands for them; llama.cpp's driver needs the drafter).
     fn all(args: &BenchArgs, has_drafter: bool) -> Vec<Variant> {
-        let plain = Variant { select: SelectMode::None, drafter: false, lookup: false, llama_ngram: None };
+        let plain = Variant { select: SelectArg::None, drafter: false, lookup: false, llama_ngram: None };
         let mut out = vec![plain];
-        let modes = args.select.iter().copied().filter(|&m| m != SelectMode::None);
+        let modes = args.select.iter().copied().filter(|&m| m != SelectArg::None);
         for m in modes.clone().filter(|_| has_drafter) {
             out.push(Variant { drafter: true, ..plain.with(m) });
-            if args.lookup && m != SelectMode::Upstream {
+            if args.lookup && m != SelectArg::Upstream {
                 out.push(Variant { drafter: true, lookup: true, ..plain.with(m) });
             }
         }
         if args.lookup {
-            for m in [SelectMode::Greedy, SelectMode::Tree] {
-                if modes.clone().any(|x| x == m || (m == SelectMode::Greedy && x == SelectMode::BestPath)) {
+            for m in [SelectArg::Greedy, SelectArg::Tree] {
+                if modes.clone().any(|x| x == m || (m == SelectArg::Greedy && x == SelectArg::BestPath)) {
                     out.push(Variant { lookup: true, ..plain.with(m) });
                 }
             }
         }
         for kind in &args.llama_ngram {
             let kind = crate::llama::LLAMA_NGRAM_TYPES.into_iter().find(|k| k == kind).expect("clap checked the name");
-            out.push(Variant { llama_ngram: Some(kind), ..plain.with(SelectMode::Greedy) });
+            out.push(Variant { llama_ngram: Some(kind), ..plain.with(SelectArg::Greedy) });
         }
         out
     }
 
-    fn with(self, select: SelectMode) -> Variant {
+    fn with(self, select: SelectArg) -> Variant {
         Variant { select, ..self }
+    }
+
+    /// How this variant drafts, over the bench's flags.
+    fn draft(&self, args: &BenchArgs) -> DraftConfig {
+        let (select, upstream) = self.select.config();
+        DraftConfig {
+            select,
+            block: args.block,
+            tree_budget: args.tree_budget,
+            lookup: self.lookup,
+            lookup_ngram: args.lookup_ngram,
+            upstream: self.llama_ngram.map(Upstream::Ngram).or(upstream),
+        }
     }
 }
 
@@ -153,8 +168,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         Some(d) => Some(Engine::from_models(target.clone(), Some(d.clone()), &cfg)?),
         None => None,
     };
-    let trained = spec.as_ref().and_then(|e| e.drafter()).map_or(crate::engine::LOOKUP_BLOCK, |d| d.trained_block());
-    let (block, adaptive) = args.block.resolve(trained);
+    let (block, adaptive) = args.block.resolve(spec.as_ref().and_then(|e| e.drafter()).map(|d| d.trained_block()));
 
     let prompts = read_prompts(args, &target)?;
     let mut results = vec![ModeResult::default(); modes.len()];
@@ -166,18 +180,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             sampling.seed = sampling.seed.wrapping_add(run as u64);
             let mut baseline: Option<(Vec<Token>, f64)> = None;
             for (mi, &mode) in modes.iter().enumerate() {
-                let opts = GenerateOptions {
-                    n_predict: args.n_predict,
-                    select: mode.select,
-                    block,
-                    adaptive,
-                    tree_budget: args.tree_budget,
-                    lookup: mode.lookup,
-                    lookup_ngram: args.lookup_ngram,
-                    llama_ngram: mode.llama_ngram,
-                    sampling: sampling.clone(),
-                    ..Default::default()
-                };
+                let opts = GenerateOptions { n_predict: args.n_predict, draft: mode.draft(args), sampling: sampling.clone(), ..Default::default() };
                 let engine = match (&mut spec, mode.drafter) {
                     (Some(spec), true) => spec,
                     _ => &mut plain,
@@ -220,9 +223,9 @@ fn record(r: &mut ModeResult, g: &Generation, tps: f64) {
     r.verify_ms += s.verify_ms;
     r.host_ms += s.host_ms;
     r.total_ms += s.total_ms - s.prefill_ms;
-    r.predicted += s.predicted_accepted;
-    r.rejections += s.rejections;
-    r.rejected_in_candidates += s.rejected_in_candidates;
+    r.predicted += s.prediction.predicted_accepted;
+    r.rejections += s.prediction.rejections;
+    r.rejected_in_candidates += s.prediction.rejected_in_candidates;
     r.lookup_drafted += s.from_lookup.drafted;
     r.lookup_accepted += s.from_lookup.accepted;
 }
@@ -285,7 +288,7 @@ fn report(
                 "tau": r.cycle_tokens as f64 / r.cycles.max(1) as f64,
                 "acceptance": r.accepted as f64 / r.drafted.max(1) as f64,
                 "tokens_per_second_median": median(&r.tps),
-                "speedup_median": if mode.select == SelectMode::None { 1.0 } else { median(&r.speedup) },
+                "speedup_median": if mode.select == SelectArg::None { 1.0 } else { median(&r.speedup) },
                 "draft_share": r.draft_ms / busy,
                 "verify_share": r.verify_ms / busy,
                 "host_share": r.host_ms / busy,

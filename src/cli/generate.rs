@@ -42,6 +42,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     let prompt = engine.model().tokenize(&text, true, args.chat)?;
     let opts = args.engine.options(&engine, args.n_predict, args.stop.clone())?;
+    let (block, adaptive) = opts.draft.block.resolve(engine.drafter().map(|d| d.trained_block()));
 
     let model = engine.model().clone();
     let mut stdout = std::io::stdout().lock();
@@ -77,10 +78,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             "verify_ms": s.verify_ms,
             "host_ms": s.host_ms,
             "total_ms": s.total_ms,
-            "select": opts.select,
-            "block": opts.block,
-            "adaptive": opts.adaptive,
-            "lookup": opts.lookup.then_some(opts.lookup_ngram),
+            "select": opts.draft.select_name(),
+            "block": block,
+            "adaptive": adaptive,
+            "lookup": opts.draft.lookup.then_some(opts.draft.lookup_ngram),
         });
         writeln!(stdout, "{out}")?;
     } else {

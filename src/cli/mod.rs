@@ -13,6 +13,7 @@ pub mod synth;
 
 use clap::{Parser, Subcommand};
 
+use crate::draft::config::{Block, DraftConfig, SelectMode, Upstream, DEFAULT_LOOKUP_NGRAM};
 use crate::llama::CacheType;
 
 #[derive(Parser, Debug)]
@@ -211,33 +212,6 @@ fn parse_logit_bias(s: &str) -> Result<(i32, f32), String> {
     Ok((id, bias))
 }
 
-/// `--block N` or `--block auto`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockArg {
-    Auto,
-    Fixed(usize),
-}
-
-impl std::str::FromStr for BlockArg {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s == "auto" {
-            return Ok(BlockArg::Auto);
-        }
-        s.parse().map(BlockArg::Fixed).map_err(|_| format!("expected a block size or `auto`, got `{s}`"))
-    }
-}
-
-impl BlockArg {
-    /// (block size, adaptive) given the drafter's trained block size.
-    pub fn resolve(self, trained: usize) -> (usize, bool) {
-        match self {
-            BlockArg::Auto => (trained, true),
-            BlockArg::Fixed(b) => (b, false),
-        }
-    }
-}
-
 /// The model flags of every subcommand that runs the engine (one definition, one meaning).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -365,17 +339,47 @@ impl ModelArgs {
     }
 }
 
+/// `--select`: how drafts are picked from the drafter's candidates, or `upstream`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SelectArg {
+    /// No drafting: plain autoregressive decoding (the baseline).
+    None,
+    /// llama.cpp's walk: the best-scoring successor of each pick.
+    Greedy,
+    /// The path with the most expected accepted tokens.
+    BestPath,
+    /// A best-first token tree over the candidates, verified in one decode.
+    Tree,
+    /// Drafting by llama.cpp's own DFlash driver (its greedy walk, a fixed block): the
+    /// baseline to beat, run through the same verification. Targets with llama.cpp's
+    /// layer extraction only (llama, qwen3, ...).
+    Upstream,
+}
+
+impl SelectArg {
+    /// The selection, and llama.cpp's driver for `upstream` (whose walk is greedy).
+    pub fn config(self) -> (SelectMode, Option<Upstream>) {
+        match self {
+            SelectArg::None => (SelectMode::None, None),
+            SelectArg::Greedy => (SelectMode::Greedy, None),
+            SelectArg::BestPath => (SelectMode::BestPath, None),
+            SelectArg::Tree => (SelectMode::Tree, None),
+            SelectArg::Upstream => (SelectMode::Greedy, Some(Upstream::Dflash)),
+        }
+    }
+}
+
 /// How each cycle drafts: flags of `generate`, `chat` and `serve` (its request defaults).
 #[derive(clap::Args, Debug, Clone)]
 pub struct DraftArgs {
     /// Block size: the anchor plus at most BLOCK-1 drafted tokens per cycle, or `auto`
     /// to choose each cycle's length from measured costs (up to the trained block size).
     #[arg(long, default_value = "auto")]
-    pub block: BlockArg,
+    pub block: Block,
     /// How drafts are picked from the drafter's candidates (default: `greedy` with a
     /// drafter, `none` (plain decoding) without one).
     #[arg(long, value_enum)]
-    pub select: Option<crate::engine::SelectMode>,
+    pub select: Option<SelectArg>,
     /// Node budget of a token tree (`--select tree`).
     #[arg(long, default_value_t = 32)]
     pub tree_budget: usize,
@@ -389,7 +393,7 @@ pub struct DraftArgs {
     #[arg(long, overrides_with = "lookup")]
     no_lookup: bool,
     /// Longest suffix the look-up matches, in tokens.
-    #[arg(long, default_value_t = crate::engine::DEFAULT_LOOKUP_NGRAM,
+    #[arg(long, default_value_t = DEFAULT_LOOKUP_NGRAM,
           value_parser = clap::builder::TypedValueParser::map(
               clap::value_parser!(u16).range(1..=crate::draft::lookup::MAX_NGRAM as i64), usize::from))]
     pub lookup_ngram: usize,
@@ -401,31 +405,32 @@ impl DraftArgs {
         self.lookup || !self.no_lookup
     }
 
-    /// The selection mode given whether a drafter was named: a mode that drafts needs one,
-    /// or the look-up (which drafts paths and trees, not llama.cpp's driver's blocks).
-    pub fn select(&self, has_drafter: bool) -> anyhow::Result<crate::engine::SelectMode> {
-        use crate::engine::SelectMode;
-        match (self.select, has_drafter || self.lookup()) {
-            (None, true) => Ok(SelectMode::Greedy),
-            (None, false) | (Some(SelectMode::None), _) => Ok(SelectMode::None),
-            (Some(SelectMode::Upstream), _) if !has_drafter => {
+    /// The drafting these flags describe, given whether a drafter was named: a mode that
+    /// drafts needs one, or the look-up (which drafts paths and trees, not llama.cpp's
+    /// driver's blocks).
+    pub fn config(&self, has_drafter: bool) -> anyhow::Result<DraftConfig> {
+        let (select, upstream) = match (self.select, has_drafter || self.lookup()) {
+            (None, true) => (SelectMode::Greedy, None),
+            (None, false) | (Some(SelectArg::None), _) => (SelectMode::None, None),
+            (Some(SelectArg::Upstream), _) if !has_drafter => {
                 anyhow::bail!("--select upstream needs a drafter (-d DRAFTER.gguf)")
             }
-            (Some(s), true) => Ok(s),
+            (Some(s), true) => s.config(),
             (Some(s), false) => {
                 anyhow::bail!("--select {s:?} needs a drafter (-d DRAFTER.gguf) or the look-up (not --no-lookup), or use --select none")
             }
-        }
-    }
-
-    /// (block, adaptive) for an engine whose drafter was trained with `trained` blocks
-    /// (`None`: no drafter; the look-up then drafts up to `engine::LOOKUP_BLOCK`).
-    pub fn block(&self, select: crate::engine::SelectMode, trained: Option<usize>) -> anyhow::Result<(usize, bool)> {
-        let (block, adaptive) = self.block.resolve(trained.unwrap_or(crate::engine::LOOKUP_BLOCK));
-        if select != crate::engine::SelectMode::None && block < 2 {
+        };
+        if select != SelectMode::None && matches!(self.block, Block::Fixed(b) if b < 2) {
             anyhow::bail!("--block must be at least 2 (the anchor plus one drafted token)");
         }
-        Ok((block, adaptive))
+        Ok(DraftConfig {
+            select,
+            block: self.block,
+            tree_budget: self.tree_budget,
+            lookup: self.lookup(),
+            lookup_ngram: self.lookup_ngram,
+            upstream,
+        })
     }
 }
 
@@ -443,8 +448,8 @@ pub struct EngineArgs {
 impl EngineArgs {
     /// Load the engine these flags describe (with a spinner while the models load).
     pub fn load(&self) -> anyhow::Result<crate::engine::Engine> {
-        let select = self.draft.select(self.models.drafter.is_some())?;
-        let drafter = if select == crate::engine::SelectMode::None { None } else { self.models.drafter.clone() };
+        let draft = self.draft.config(self.models.drafter.is_some())?;
+        let drafter = if draft.select == SelectMode::None { None } else { self.models.drafter.clone() };
         let cfg = self.models.config(drafter);
         let spinner = loading_spinner("models");
         let engine = crate::engine::Engine::load(&cfg);
@@ -459,20 +464,14 @@ impl EngineArgs {
         n_predict: usize,
         stop: Vec<String>,
     ) -> anyhow::Result<crate::engine::GenerateOptions> {
-        let select = self.draft.select(engine.drafter().is_some())?;
-        let (block, adaptive) = self.draft.block(select, engine.drafter().map(|d| d.trained_block()))?;
+        let draft = self.draft.config(engine.drafter().is_some())?;
         let n_vocab = engine.model().n_vocab();
         if let Some((id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| !(0..n_vocab as i32).contains(id)) {
             anyhow::bail!("--logit-bias: token {id} is outside the vocabulary (0..{n_vocab})");
         }
         Ok(crate::engine::GenerateOptions {
             n_predict,
-            select,
-            block,
-            adaptive,
-            tree_budget: self.draft.tree_budget,
-            lookup: self.draft.lookup(),
-            lookup_ngram: self.draft.lookup_ngram,
+            draft,
             stop,
             sampling: self.sampling.params(),
             grammar: self.sampling.grammar()?,

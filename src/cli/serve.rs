@@ -1,5 +1,5 @@
 //! `dflash2 serve`: the HTTP server (OpenAI and llama-server endpoints).
-use crate::engine::SelectMode;
+use crate::draft::config::SelectMode;
 use crate::server::metrics::Metrics;
 use crate::server::scheduler::Scheduler;
 use crate::server::{self, AppState, Defaults};
@@ -107,8 +107,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 /// limits the accept loop applies (the fuzz harness drives the routes in-process).
 pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
     anyhow::ensure!(args.parallel >= 1, "--parallel must be at least 1");
-    let select = args.draft.select(args.models.drafter.is_some())?;
-    let drafter = if select == SelectMode::None { None } else { args.models.drafter.clone() };
+    let mut draft = args.draft.config(args.models.drafter.is_some())?;
+    // `--select none` is plain decoding: there the look-up drafts only for a request that asks
+    // for it (`"lookup": true`).
+    draft.lookup &= draft.select != SelectMode::None;
+    let drafter = if draft.select == SelectMode::None { None } else { args.models.drafter.clone() };
     let mut cfg = args.models.config(drafter.clone());
     cfg.n_ctx = args.models.ctx_size / args.parallel;
     anyhow::ensure!(
@@ -126,25 +129,17 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
     let scheduler = Scheduler::start(cfg, args.parallel, queue, metrics.clone());
     spinner.finish_and_clear();
     let scheduler = scheduler?;
-    let (block, adaptive) = args.draft.block(select, scheduler.info().trained_block)?;
     let template = Arc::new(args.models.template.load(&scheduler.info().target)?);
     let state = Arc::new(AppState {
         scheduler,
         metrics,
         model_ids: if args.alias.is_empty() { vec![file_name(&args.models.model)] } else { args.alias.clone() },
         model_tags: args.tags.clone(),
-        started_unix: crate::server::routes::now(),
+        started_unix: crate::server::reply::now(),
         drafter_path: drafter.map(|d| d.display().to_string()),
         api_key: args.api_key.clone(),
         defaults: Defaults {
-            select,
-            block,
-            adaptive,
-            tree_budget: args.draft.tree_budget,
-            // `--select none` is plain decoding: there the look-up drafts only for a request that
-            // asks for it (`"lookup": true`).
-            lookup: args.draft.lookup() && select != crate::engine::SelectMode::None,
-            lookup_ngram: args.draft.lookup_ngram,
+            draft,
             sampling: args.sampling.params(),
             n_predict: usize::try_from(args.n_predict).ok(),
             max_prompt_tokens: Some(args.max_prompt_tokens).filter(|&n| n > 0),

@@ -7,6 +7,8 @@
 //! actually accepts; and when drafting stops paying, the engine decodes plainly and
 //! only probes the drafter now and then.
 use super::{DraftTree, Origin};
+use crate::llama::{Batch, Context, Result, Token};
+use std::time::Instant;
 
 /// Exponential moving average that starts at its first sample.
 #[derive(Debug, Clone, Copy, Default)]
@@ -78,8 +80,35 @@ impl CostModel {
         self.draft_ms.add(ms);
     }
 
-    pub fn is_calibrated(&self, max_batch: usize) -> bool {
+    fn is_calibrated(&self, max_batch: usize) -> bool {
         self.verify_ms.len() > max_batch && self.verify_ms[1].get().is_some() && self.verify_ms[max_batch].get().is_some()
+    }
+
+    /// Time target decodes of the batch sizes a cycle may verify (1, 2, 4, ... and `max_batch`
+    /// rows of `token` at positions `pos0..` of `seq`), so the first cycles already choose their
+    /// length from this machine's costs. The cells are removed again.
+    pub fn calibrate(&mut self, target: &mut Context, batch: &mut Batch, seq: i32, pos0: usize, token: Token, max_batch: usize) -> Result<()> {
+        if self.is_calibrated(max_batch) || max_batch < 2 {
+            return Ok(());
+        }
+        let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2)).take_while(|&b| b < max_batch).collect();
+        sizes.push(max_batch);
+        for &b in &sizes {
+            for rep in 0..2 {
+                batch.clear();
+                for i in 0..b {
+                    batch.add_token(token, (pos0 + i) as i32, &[seq], true)?;
+                }
+                let t = Instant::now();
+                target.decode(batch, "cost calibration")?;
+                // The first run of a size warms up (graph allocation): keep the second.
+                if rep == 1 {
+                    self.record_verify(b, t.elapsed().as_secs_f64() * 1e3);
+                }
+                target.seq_rm(seq, pos0 as i32, -1)?;
+            }
+        }
+        Ok(())
     }
 
     /// Cost of verifying `batch` tokens: measured, or interpolated between measured sizes.

@@ -1,17 +1,14 @@
 //! The DFlash drafter as llama.cpp runs it: target features are injected into its KV
 //! cache, then one decode of `[last, MASK x (B-1)]` drafts a whole block.
 use super::Lattice;
-use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, Result, Token, UpstreamDrafter};
+use crate::llama::{Batch, CacheType, Context, ContextParams, FeatureSource, LlamaError, Model, Result, Token};
 use std::sync::Arc;
 
 /// Candidates per position read from a DFlash 1 drafter's logits.
 pub const DFLASH1_TOP_K: usize = 8;
 
 pub struct Drafter {
-    /// llama.cpp's own driver over the same contexts, made on first use (`--select upstream`).
-    upstream: Option<UpstreamDrafter>,
     ctx: Context,
-    n_seqs: usize,
     /// K of the DFlash 2 selector; `None` for a DFlash 1 drafter (logits per position).
     selector_k: Option<usize>,
     /// Block size the drafter was trained with (anchor included).
@@ -21,6 +18,16 @@ pub struct Drafter {
     feature_width: usize,
     inject_batch: Batch,
     block_batch: Batch,
+    /// Per sequence: target features not yet injected, whole rows for consecutive positions
+    /// from its first. Injection waits until the next draft, so plain steps cost only a copy
+    /// and the drafter gets one batched decode.
+    queued: Vec<Queued>,
+}
+
+#[derive(Default)]
+struct Queued {
+    rows: Vec<f32>,
+    pos0: usize,
 }
 
 impl Drafter {
@@ -85,16 +92,20 @@ impl Drafter {
         ctx.set_nextn(true, selector_k.is_none());
         ctx.set_causal_attn(causal);
         Ok(Self {
-            upstream: None,
             ctx,
-            n_seqs,
             selector_k,
             trained_block,
             mask,
             feature_width,
             inject_batch: Batch::embeddings(n_batch, feature_width),
             block_batch: Batch::tokens(trained_block * n_seqs, 1),
+            queued: (0..n_seqs).map(|_| Queued::default()).collect(),
         })
+    }
+
+    /// Its context (llama.cpp's own DFlash driver drafts with it too).
+    pub fn context(&self) -> &Context {
+        &self.ctx
     }
 
     pub fn trained_block(&self) -> usize {
@@ -175,33 +186,45 @@ impl Drafter {
             .collect()
     }
 
-    /// Draft up to `n_max` tokens after `last` (at `pos0` of `seq`) with llama.cpp's own
-    /// DFlash driver: its block decode and its greedy walk. The baseline to beat.
-    pub fn draft_upstream(&mut self, target: &Context, seq: i32, last: Token, pos0: usize, n_max: usize) -> Result<Vec<Token>> {
-        if !matches!(target.features(), FeatureSource::Native(_)) {
-            return Err(LlamaError::Invalid(format!(
-                "llama.cpp's DFlash driver needs the target's own layer extraction, which {} ({}) lacks",
-                target.model().path(),
-                target.model().architecture()
-            )));
+    /// Queue the features of `rows` of the target's last decode for `seq`, at consecutive
+    /// positions from `pos0` (right after what is already queued).
+    pub fn queue(&mut self, target: &Context, seq: usize, rows: &[usize], pos0: usize) -> Result<()> {
+        let q = &mut self.queued[seq];
+        if q.rows.is_empty() {
+            q.pos0 = pos0;
         }
-        if self.upstream.is_none() {
-            self.upstream = Some(UpstreamDrafter::dflash(target, &self.ctx, self.trained_block - 1, self.n_seqs)?);
-        }
-        let driver = self.upstream.as_mut().expect("made above");
-        let drafted = driver.draft(seq, &[], last, pos0, n_max);
-        // The driver leaves its block in the cache: only injected features may stay.
-        self.ctx.seq_rm(seq, pos0 as i32, -1)?;
-        drafted
+        debug_assert_eq!(q.pos0 + q.rows.len() / self.feature_width, pos0);
+        target.append_features(rows, &mut q.rows)
     }
 
-    /// Forget everything of sequence `seq` from position `pos` on.
-    pub fn truncate(&mut self, seq: i32, pos: usize) -> Result<()> {
-        self.ctx.seq_rm(seq, pos as i32, -1)
+    /// Inject the features queued for `seq` into the cache.
+    pub fn flush(&mut self, seq: usize) -> Result<()> {
+        let mut rows = std::mem::take(&mut self.queued[seq].rows);
+        let injected = if rows.is_empty() { Ok(()) } else { self.inject(&rows, self.queued[seq].pos0, seq as i32) };
+        rows.clear();
+        self.queued[seq].rows = rows; // (its allocation serves the next cycles)
+        injected
     }
 
-    /// Positions held in the drafter cache for `seq` (for consistency checks).
-    pub fn cached_len(&self, seq: i32) -> usize {
-        (self.ctx.seq_pos_max(seq) + 1) as usize
+    /// Forget everything of sequence `seq` from position `pos` on, queued features included.
+    pub fn truncate(&mut self, seq: usize, pos: usize) -> Result<()> {
+        self.ctx.seq_rm(seq as i32, pos as i32, -1)?;
+        let q = &mut self.queued[seq];
+        q.rows.truncate(pos.saturating_sub(q.pos0) * self.feature_width);
+        Ok(())
+    }
+
+    /// Positions of `seq` the drafter holds, counting features queued for it (for consistency
+    /// checks: they must equal the target's).
+    pub fn extent(&self, seq: usize) -> usize {
+        let q = &self.queued[seq];
+        let cached = (self.ctx.seq_pos_max(seq as i32) + 1) as usize;
+        match q.rows.len() / self.feature_width {
+            0 => cached,
+            queued => {
+                debug_assert_eq!(cached, q.pos0);
+                q.pos0 + queued
+            }
+        }
     }
 }

@@ -9,6 +9,9 @@
 //! repeat the node would extend (the match, plus the proposed tokens before the node).
 use std::collections::HashMap;
 
+use super::config::DraftConfig;
+use super::select::Walk;
+use super::source::{ms_since, Draft, DraftSource, Env, Outcome, Prediction, Proposal, Request};
 use super::{DraftNode, DraftTree, Origin};
 use crate::llama::Token;
 
@@ -79,7 +82,7 @@ impl NgramIndex {
     /// What followed the earlier occurrences of the longest suffix of at most `max_ngram`
     /// tokens that occurred before: up to `MAX_MATCHES` continuations (most recent first)
     /// of at most `max_len` tokens, merged into a trie. `None` when nothing matches.
-    pub fn propose(&self, max_ngram: usize, max_len: usize) -> Option<Proposal> {
+    pub fn propose(&self, max_ngram: usize, max_len: usize) -> Option<Trie> {
         let len = self.tokens.len();
         if max_len == 0 {
             return None;
@@ -102,7 +105,7 @@ impl NgramIndex {
                 (n..LONG_MATCH.min(e)).take_while(|&k| self.tokens[e - k - 1] == self.tokens[len - k - 1]).count() + n
             };
             let match_len = matches.iter().map(|&e| repeat(e)).max().unwrap_or(n);
-            let mut trie = Proposal { match_len, n_matches: matches.len(), nodes: Vec::new() };
+            let mut trie = Trie { match_len, n_matches: matches.len(), nodes: Vec::new() };
             for &e in &matches {
                 trie.insert(&self.tokens[e..(e + max_len).min(len)]);
             }
@@ -110,6 +113,13 @@ impl NgramIndex {
         }
         None
     }
+}
+
+/// The repeat a node at `depth` (1 = the first proposed token) of a proposal behind a repeat
+/// of `match_len` tokens would extend, given that the target took the proposed tokens before
+/// it: those tokens repeat the context too.
+fn repeat_at(match_len: usize, depth: usize) -> usize {
+    match_len + depth.saturating_sub(1)
 }
 
 /// A 64-bit hash of an n-gram (FNV-1a over its tokens, seeded with n).
@@ -126,7 +136,7 @@ fn key(gram: &[Token]) -> u64 {
 /// The continuations of one look-up as a trie: nodes parents first, in insertion order
 /// (the most recent match's path first).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Proposal {
+pub struct Trie {
     /// Tokens of the longest repeat behind it (at most `LONG_MATCH`): the matched suffix and
     /// as far before it as an earlier occurrence agrees.
     pub match_len: usize,
@@ -144,7 +154,7 @@ pub struct TrieNode {
     pub support: usize,
 }
 
-impl Proposal {
+impl Trie {
     fn insert(&mut self, continuation: &[Token]) {
         let mut parent = None;
         for (d, &token) in continuation.iter().enumerate() {
@@ -161,10 +171,9 @@ impl Proposal {
         }
     }
 
-    /// The repeat a node at `depth` (1 = the first proposed token) would extend, given that
-    /// the target took the proposed tokens before it: those tokens repeat the context too.
+    /// The repeat a node at `depth` would extend (see [`repeat_at`]).
     pub fn repeat_at(&self, depth: usize) -> usize {
-        self.match_len + depth.saturating_sub(1)
+        repeat_at(self.match_len, depth)
     }
 
     /// Each node's chance of acceptance given its parent: the sequence's acceptance rate
@@ -278,6 +287,90 @@ impl Calibration {
         let b = bucket(repeat);
         self.tested[b] += 1;
         self.accepted[b] += accepted as u32;
+    }
+}
+
+/// The look-up as a draft source: per sequence, its n-gram index over the committed tokens
+/// (brought up to date when it proposes, so it costs nothing where the look-up is off) and how
+/// often the target took its tokens in this generation.
+pub struct Lookup {
+    seqs: Vec<LookupSeq>,
+    /// How often the target took look-up tokens in every generation so far: where each
+    /// generation's own calibration starts.
+    learned: Calibration,
+}
+
+#[derive(Default)]
+struct LookupSeq {
+    index: NgramIndex,
+    calibration: Calibration,
+    ngram: usize,
+    /// The repeat behind the proposal awaiting its verify.
+    match_len: Option<usize>,
+}
+
+impl Lookup {
+    pub fn new(n_seqs: usize) -> Self {
+        Self { seqs: (0..n_seqs).map(|_| LookupSeq::default()).collect(), learned: Calibration::default() }
+    }
+}
+
+impl DraftSource for Lookup {
+    fn origin(&self) -> Origin {
+        Origin::Lookup
+    }
+
+    fn decodes(&self) -> bool {
+        false
+    }
+
+    fn begin(&mut self, _env: &mut Env, seq: usize, _prompt: &[Token], cfg: &DraftConfig) -> crate::llama::Result<()> {
+        let s = &mut self.seqs[seq];
+        s.calibration = Calibration::learning_from(&self.learned);
+        s.ngram = cfg.lookup_ngram;
+        Ok(())
+    }
+
+    fn propose(&mut self, _env: &mut Env, requests: &[Request]) -> crate::llama::Result<Vec<Option<Proposal>>> {
+        let mut out = Vec::with_capacity(requests.len());
+        for r in requests {
+            let t = std::time::Instant::now();
+            let s = &mut self.seqs[r.seq];
+            s.index.sync(r.history, r.last);
+            let trie = s.index.propose(s.ngram, r.max_len);
+            s.match_len = trie.as_ref().map(|t| t.match_len);
+            // At T > 0 a look-up draft is a chain: its tokens are one-hot proposals, and siblings
+            // in a rejection-sampled tree must share one proposal law.
+            let branch = match r.walk {
+                Walk::Tree { budget } if r.greedy => Some(budget),
+                _ => None,
+            };
+            let draft = trie.map(|trie| Draft::Estimates {
+                path: trie.path(&s.calibration),
+                tree: branch.map(|budget| trie.tree(&s.calibration, budget)),
+            });
+            out.push(draft.map(|d| Proposal::free(d, ms_since(t))));
+        }
+        Ok(out)
+    }
+
+    /// Calibrate by every look-up token the target tested (its parent taken): those it took,
+    /// and the first look-up child of where it stopped (one per depth: its siblings were tested
+    /// by the same row).
+    fn learn(&mut self, _env: &mut Env, _proposal: &Proposal, o: &Outcome, _prediction: &mut Prediction) -> crate::llama::Result<()> {
+        let s = &mut self.seqs[o.seq];
+        let Some(match_len) = s.match_len.take() else { return Ok(()) };
+        let tree = o.tree;
+        let stopped_at = o.path.last().copied();
+        let rejected = tree.children(stopped_at).any(|c| tree.nodes[c].origin.from_lookup());
+        let rejected_depth = stopped_at.map_or(1, |i| tree.nodes[i].depth + 1);
+        let tested = o.path.iter().filter(|&&i| tree.nodes[i].origin.from_lookup()).map(|&i| (tree.nodes[i].depth, true));
+        for (depth, taken) in tested.chain(rejected.then_some((rejected_depth, false))) {
+            let repeat = repeat_at(match_len, depth);
+            s.calibration.record(repeat, taken);
+            self.learned.record(repeat, taken);
+        }
+        Ok(())
     }
 }
 

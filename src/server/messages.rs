@@ -4,7 +4,8 @@
 //! tools; the answer is a `message` with content blocks, or its stream of events
 //! (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`).
 use super::errors::ApiError;
-use super::routes::{chat_prompt, collect, options, preferred_slot, stopping_word, submit, ApiJson, Sampled};
+use super::reply::stopping_word;
+use super::routes::{chat_prompt, collect, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
 use super::types::{ChatMessageIn, FunctionCallIn, Stop, ToolCallIn};

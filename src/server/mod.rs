@@ -2,7 +2,8 @@
 //!
 //! Handlers (in [`routes`]) parse and check a request, turn it into tokens and
 //! [`GenerateOptions`](crate::engine::GenerateOptions), and hand it to the [`Scheduler`],
-//! whose slots run the engines on their own threads and answer through channels.
+//! whose slots run the engines on their own threads and answer through channels; [`reply`]
+//! shapes the answer.
 pub mod errors;
 pub mod fields;
 pub mod infill;
@@ -10,13 +11,14 @@ pub mod logprobs;
 pub mod messages;
 pub mod metrics;
 pub mod prompt;
+pub mod reply;
 pub mod responses;
 pub mod routes;
 pub mod scheduler;
 pub mod tools;
 pub mod types;
 
-use crate::engine::SelectMode;
+use crate::draft::config::DraftConfig;
 use crate::llama::Model;
 use crate::sampling::SamplingParams;
 use crate::template::ChatTemplate;
@@ -31,14 +33,8 @@ use std::time::Duration;
 /// How requests are decoded when they don't say otherwise (and what they can't change).
 #[derive(Debug, Clone)]
 pub struct Defaults {
-    pub select: SelectMode,
-    pub block: usize,
-    /// Choose each cycle's draft length from measured costs (`--block auto`).
-    pub adaptive: bool,
-    pub tree_budget: usize,
-    /// Context look-up drafting (`--lookup`); requests may turn it on or off.
-    pub lookup: bool,
-    pub lookup_ngram: usize,
+    /// How requests draft; they may turn the look-up on or off (`--lookup`) and set its n-gram.
+    pub draft: DraftConfig,
     pub sampling: SamplingParams,
     /// Tokens a request without a limit generates at most (`-n`; None: to the end of the context).
     pub n_predict: Option<usize>,

@@ -5,7 +5,8 @@
 //! events (`response.created` ... `response.output_text.delta` ... `response.completed`).
 //! Nothing is stored: a conversation is sent whole, never by `previous_response_id`.
 use super::errors::ApiError;
-use super::routes::{chat_prompt, collect, now, options, preferred_slot, submit, ApiJson, Sampled};
+use super::reply::now;
+use super::routes::{chat_prompt, collect, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
 use super::types::{ChatMessageIn, FunctionCallIn, InputTokens, ToolCallIn};

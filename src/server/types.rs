@@ -639,7 +639,7 @@ pub struct SlotParams {
     #[serde(rename = "speculative.n_min")]
     pub speculative_n_min: usize,
     #[serde(rename = "speculative.select")]
-    pub speculative_select: crate::engine::SelectMode,
+    pub speculative_select: &'static str,
 }
 
 #[derive(Debug, Serialize)]
@@ -652,7 +652,7 @@ pub struct NextToken {
 
 #[derive(Debug, Serialize)]
 pub struct Speculative {
-    pub select: crate::engine::SelectMode,
+    pub select: &'static str,
     pub block: usize,
     /// Draft lengths chosen per cycle from measured costs (`--block auto`).
     pub adaptive: bool,

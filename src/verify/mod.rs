@@ -2,13 +2,18 @@
 //!
 //! The verify batch is the anchor (row 0) followed by the draft tree's nodes in order
 //! (node `i` at row `i + 1`), so the target's output at a row is its prediction for the
-//! token that follows that row's path.
+//! token that follows that row's path. `greedy` and `rejection` are the algorithms over a
+//! tree; `rows` is the target's law at a row; `target` runs them against the target.
 
 pub mod greedy;
 pub mod rejection;
+pub mod rows;
+pub mod target;
 
 pub use greedy::accept_greedy;
 pub use rejection::verify_tree;
+pub use rows::{constrained_argmax, masked, States};
+pub use target::{in_order, Check, Drafted, Law, Verdict, Verifier, MAX_TREE_LEAVES};
 
 /// The outcome of verifying one draft.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Shared test support: where the models are, and one loaded copy of each per process.
 #![allow(dead_code)]
-use dflash2::engine::EngineConfig;
+use dflash2::engine::{Block, DraftConfig, EngineConfig, SelectMode};
 use dflash2::llama::{Batch, CacheType, Context, ContextParams, Model};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -38,6 +38,17 @@ pub fn plain_and_speculative(
     spec(&mut spec_cfg);
     let speculative = Engine::from_models(target.clone(), drafter, &spec_cfg).unwrap();
     (target, plain, speculative)
+}
+
+/// Drafting with `select` and fixed blocks of `block` (the anchor included), the rest default.
+pub fn draft(select: SelectMode, block: usize) -> DraftConfig {
+    DraftConfig { select, block: Block::Fixed(block), ..DraftConfig::default() }
+}
+
+/// Drafting as `--select mode` names it (llama.cpp's driver for `upstream`), blocks of `block`.
+pub fn draft_as(mode: dflash2::cli::SelectArg, block: Block) -> DraftConfig {
+    let (select, upstream) = mode.config();
+    DraftConfig { select, block, upstream, ..DraftConfig::default() }
 }
 
 pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
