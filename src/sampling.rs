@@ -755,6 +755,19 @@ mod tests {
         }
     }
 
+    #[test]
+    fn each_token_draws_from_its_seed_choice_and_position_alone() {
+        let sampler = |seed, choice| Sampler::new(SamplingParams { seed, choice, ..SamplingParams::default() });
+        let first = |seed, choice, index| -> u64 { sampler(seed, choice).draws(index).gen() };
+        let mut s = sampler(7, 0);
+        let drafted: u64 = s.drafting().gen();
+        // drafting's draws move nothing of the target's, and no draw moves a later one
+        assert_eq!(s.draws(3).gen::<u64>(), first(7, 0, 3));
+        let keyed = [first(7, 0, 3), first(7, 0, 4), first(7, 1, 3), first(8, 0, 3), first(7, 0, 0)];
+        let distinct: std::collections::HashSet<u64> = keyed.iter().copied().chain([drafted]).collect();
+        assert_eq!(distinct.len(), keyed.len() + 1, "{keyed:?} {drafted}");
+    }
+
     /// The chain written the obvious way: copy, penalise, sort everything, cut, softmax.
     fn reference_distribution(
         logits: &[f32],

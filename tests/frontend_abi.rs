@@ -207,7 +207,7 @@ fn frontend_matching_gives_the_chains_own_text_for_each_seed() {
     let prompt = chat_text(&target, CHATS[0]);
     let base = ["-m", t, "-p", &prompt, "-n", "48", "--temp", "0.8", "--runs", "12", "--seed", "7"];
     let plain = run_frontend(&base);
-    let spec = run_frontend(&[&base[..], &["-d", d, "--match"]].concat());
+    let spec = run_frontend(&[&base[..], &["-d", d, "--block", "4", "--match"]].concat());
     assert_eq!(plain.runs.len(), 12);
     assert_eq!(spec.runs, plain.runs, "matching changed the frontend's text");
     let distinct: std::collections::HashSet<_> = plain.runs.iter().collect();
