@@ -185,7 +185,9 @@ pub struct Speculator {
     /// The block with the anchor, and whether each draft's length follows the cost model.
     block: usize,
     adaptive: bool,
+    /// Draws of rejection sampling, and (a stream of their own) of sampled drafts.
     rng: ChaCha8Rng,
+    drafting: ChaCha8Rng,
     /// The last processed batch and its features (tree verifies pick rows from it).
     last_rows: Vec<BatchRow>,
     last_features: Vec<f32>,
@@ -219,6 +221,11 @@ impl Speculator {
             seqs: (0..n_seq).map(|_| Seq::default()).collect(),
             cost: CostModel::default(),
             rng: ChaCha8Rng::seed_from_u64(opts.seed),
+            drafting: {
+                let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+                rng.set_stream(1);
+                rng
+            },
             opts,
             last_rows: Vec::new(),
             last_features: Vec::new(),
@@ -404,7 +411,7 @@ impl Speculator {
         let proposal = proposal.ok_or_else(|| SpecError::State("the drafter proposed nothing".into()))?;
         let proposals = [proposal];
         let choice = Choice { walk, adaptive: self.adaptive, matching: temperature <= 0.0, temperature };
-        let tree = arbiter::choose(&proposals, &choice, &self.cost, &mut self.rng);
+        let tree = arbiter::choose(&proposals, &choice, &self.cost, &mut self.drafting);
         if self.adaptive {
             arbiter::chosen(&mut self.cost, &proposals, &tree, self.block);
         }
