@@ -66,6 +66,9 @@
 extern "C" {
 #endif
 
+/* The header's ABI version: 2 added dflash2_verify_match (nothing of version 1 changed). */
+#define DFLASH2_ABI_VERSION 2
+
 /* ---- types ------------------------------------------------------------------------------ */
 
 typedef int32_t dflash2_token;
@@ -316,8 +319,9 @@ typedef struct dflash2_spec_params {
                               twice as deep as recent drafts were cut to); else 2..trained block */
     int32_t select;        /* DFLASH2_SELECT_GREEDY (default), _BEST_PATH or _TREE (dflash2_spec_draft_tree) */
     uint32_t tree_budget;  /* nodes of a token tree; default 32 */
-    float temperature;     /* 0 (default): draft the most likely path. > 0: draw drafts from the drafter's
-                              law at this temperature (set it to the sampler chain's; verify with
+    float temperature;     /* 0 (default): draft the most likely path (what dflash2_verify_match and
+                              _greedy accept most). > 0: draw drafts from the drafter's law at this
+                              temperature (set it to the sampler chain's; verify with
                               dflash2_verify_sample, which is lossless either way) */
     uint64_t seed;         /* draws of sampled drafts and of rejection sampling */
     int32_t n_threads;     /* drafter threads; 0 (default) = the available cores, at most 16 */
@@ -413,7 +417,12 @@ dflash2_status dflash2_spec_get_stats(const dflash2_spec *spec, int32_t seq, dfl
  *     identical to the frontend's own loop without speculation.
  *   dflash2_verify_sample: a chain ending in `dist`: rejection sampling against the drafter's
  *     law (one-hot where the draft was the most likely path), so the tokens follow the
- *     chain's law exactly; uses the speculator's seeded RNG, not the chain's.
+ *     chain's law exactly; uses the speculator's seeded RNG, not the chain's: the same
+ *     distribution as the frontend's own loop, not the same text.
+ *   dflash2_verify_match (ABI version 2): any chain; it samples each row itself
+ *     (llama_sampler_sample: its filters, its draw, its random stream, one draw per returned
+ *     token) and drafts are kept while they equal its token: the frontend's own loop's text,
+ *     token for token, for its seed (where the target's verify batches are bit-exact).
  * The wrong helper for the chain is DFLASH2_ERR_INVALID_ARG, as are chains with samplers that
  * are no fixed law of the logits (mirostat, xtc). */
 dflash2_status dflash2_verify_greedy(dflash2_spec *spec, int32_t seq, struct llama_sampler *chain,
@@ -422,6 +431,9 @@ dflash2_status dflash2_verify_greedy(dflash2_spec *spec, int32_t seq, struct lla
 dflash2_status dflash2_verify_sample(dflash2_spec *spec, int32_t seq, struct llama_sampler *chain,
                                      struct llama_context *ctx, const int32_t *rows, int32_t n_rows,
                                      dflash2_token *out, size_t capacity, size_t *n_out);
+dflash2_status dflash2_verify_match(dflash2_spec *spec, int32_t seq, struct llama_sampler *chain,
+                                    struct llama_context *ctx, const int32_t *rows, int32_t n_rows,
+                                    dflash2_token *out, size_t capacity, size_t *n_out);
 
 #ifdef __cplusplus
 }

@@ -54,6 +54,10 @@ pub struct SamplingParams {
     #[serde(serialize_with = "bias_as_llama_server")]
     pub logit_bias: Vec<(i32, f32)>,
     pub seed: u64,
+    /// Which of one request's choices this generation is: each draws from its own stream of
+    /// the seed.
+    #[serde(skip)]
+    pub choice: u64,
 }
 
 fn bias_as_llama_server<S: serde::Serializer>(bias: &[(i32, f32)], s: S) -> Result<S::Ok, S::Error> {
@@ -79,6 +83,7 @@ impl Default for SamplingParams {
             repeat_last_n: 64,
             logit_bias: Vec::new(),
             seed: 0xD1F1A5,
+            choice: 0,
         }
     }
 }
@@ -464,18 +469,25 @@ fn tempered_softmax(candidates: &[Candidate], temperature: f32) -> Distribution 
     }
 }
 
-/// The target distribution of one generation plus its seeded random stream: plain and
+/// The target distribution of one generation plus its seeded random streams: plain and
 /// speculative decoding both pick tokens through it, so both draw from the same p.
+///
+/// The draw that picks the i-th generated token comes from (seed, choice, i) alone, never from
+/// a stream whose position depends on how many draws came before: however a cycle drafts and
+/// verifies, a seed gives plain decoding's text. Drafting draws from a stream of its own.
 pub struct Sampler {
     params: SamplingParams,
-    rng: rand_chacha::ChaCha8Rng,
+    drafting: rand_chacha::ChaCha8Rng,
 }
+
+/// log2 of the ChaCha words each generated token's draws may use (rejection sampling draws
+/// two per tested draft from the anchor's window; a cycle tests at most a few dozen).
+const WORDS_PER_TOKEN_LOG2: u32 = 20;
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        use rand::SeedableRng;
-        let rng = rand_chacha::ChaCha8Rng::seed_from_u64(params.seed);
-        Self { params, rng }
+        let drafting = stream(&params, 1);
+        Self { params, drafting }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -494,24 +506,35 @@ impl Sampler {
         self.params.distribution(logits, history)
     }
 
-    /// Draw the next token (the argmax when greedy).
-    pub fn pick(&mut self, logits: &[f32], history: &[i32]) -> i32 {
+    /// Draw generated token `index` (the argmax when greedy).
+    pub fn pick(&self, logits: &[f32], history: &[i32], index: usize) -> i32 {
         let p = self.distribution(logits, history);
         if self.is_greedy() {
             p.argmax()
         } else {
-            p.sample(&mut self.rng)
+            p.sample(&mut self.draws(index))
         }
     }
 
-    pub fn rng(&mut self) -> &mut rand_chacha::ChaCha8Rng {
-        &mut self.rng
+    /// The random stream of generated token `index`: its first draw is the one that picks it.
+    pub fn draws(&self, index: usize) -> rand_chacha::ChaCha8Rng {
+        let mut rng = stream(&self.params, 0);
+        rng.set_word_pos((index as u128) << WORDS_PER_TOKEN_LOG2);
+        rng
     }
 
-    /// The law and the random stream apart, for code that reads one while drawing from the other.
-    pub fn params_and_rng(&mut self) -> (&SamplingParams, &mut rand_chacha::ChaCha8Rng) {
-        (&self.params, &mut self.rng)
+    /// The stream drafts are drawn from (never the target's).
+    pub fn drafting(&mut self) -> &mut rand_chacha::ChaCha8Rng {
+        &mut self.drafting
     }
+}
+
+/// ChaCha stream `which` (0: the target's, 1: drafting) of this seed and choice.
+fn stream(params: &SamplingParams, which: u64) -> rand_chacha::ChaCha8Rng {
+    use rand::SeedableRng;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(params.seed);
+    rng.set_stream(params.choice.wrapping_mul(2) | which);
+    rng
 }
 
 #[cfg(test)]
@@ -730,6 +753,19 @@ mod tests {
         for (c, p) in counts.iter().zip(&dist.probs) {
             assert!((*c as f32 / draws as f32 - p).abs() < 0.01, "{counts:?}");
         }
+    }
+
+    #[test]
+    fn each_token_draws_from_its_seed_choice_and_position_alone() {
+        let sampler = |seed, choice| Sampler::new(SamplingParams { seed, choice, ..SamplingParams::default() });
+        let first = |seed, choice, index| -> u64 { sampler(seed, choice).draws(index).gen() };
+        let mut s = sampler(7, 0);
+        let drafted: u64 = s.drafting().gen();
+        // drafting's draws move nothing of the target's, and no draw moves a later one
+        assert_eq!(s.draws(3).gen::<u64>(), first(7, 0, 3));
+        let keyed = [first(7, 0, 3), first(7, 0, 4), first(7, 1, 3), first(8, 0, 3), first(7, 0, 0)];
+        let distinct: std::collections::HashSet<u64> = keyed.iter().copied().chain([drafted]).collect();
+        assert_eq!(distinct.len(), keyed.len() + 1, "{keyed:?} {drafted}");
     }
 
     /// The chain written the obvious way: copy, penalise, sort everything, cut, softmax.

@@ -22,7 +22,7 @@ use crate::draft::DraftTree;
 use crate::gguf::ModelInfo;
 use crate::llama::{CacheType, Context, ForeignChain, LlamaError, Model, ModelParams, Terminal, Token};
 use crate::sampling::Distribution;
-use crate::verify::{accept_greedy, verify_tree, Accepted};
+use crate::verify::{accept_matching, verify_tree, Accepted};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
@@ -162,6 +162,19 @@ pub fn load_drafter_for(target: &Model, path: &Path) -> Result<Arc<Model>> {
     Ok(model)
 }
 
+/// How a frontend's sampler chain verifies a draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainVerify {
+    /// A chain ending in `greedy`: drafts are kept while they are its pick.
+    Greedy,
+    /// A chain ending in `dist`: rejection sampling against the drafter's law with the
+    /// speculator's draws, so the tokens follow the chain's law (not its text for a seed).
+    Reject,
+    /// Any chain samples each row itself (its filters, its draw, its stream) and drafts are
+    /// kept while they equal its token: the frontend's own loop's text, token for token.
+    Match,
+}
+
 pub struct Speculator {
     target: Context,
     drafter: Drafter,
@@ -172,7 +185,9 @@ pub struct Speculator {
     /// The block with the anchor, and whether each draft's length follows the cost model.
     block: usize,
     adaptive: bool,
+    /// Draws of rejection sampling, and (a stream of their own) of sampled drafts.
     rng: ChaCha8Rng,
+    drafting: ChaCha8Rng,
     /// The last processed batch and its features (tree verifies pick rows from it).
     last_rows: Vec<BatchRow>,
     last_features: Vec<f32>,
@@ -206,6 +221,11 @@ impl Speculator {
             seqs: (0..n_seq).map(|_| Seq::default()).collect(),
             cost: CostModel::default(),
             rng: ChaCha8Rng::seed_from_u64(opts.seed),
+            drafting: {
+                let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+                rng.set_stream(1);
+                rng
+            },
             opts,
             last_rows: Vec::new(),
             last_features: Vec::new(),
@@ -385,13 +405,13 @@ impl Speculator {
         // The engine's drafting step, for one sequence: the drafter's proposal and the arbiter's choice.
         let walk = self.opts.draft.select.walk(true, self.opts.draft.tree_budget);
         let temperature = self.opts.temperature;
-        let request = Request { seq: i, history: &[], last, pos, max_len: max_draft, walk, greedy: temperature <= 0.0, adaptive: self.adaptive };
+        let request = Request { seq: i, history: &[], last, pos, max_len: max_draft, walk, matching: temperature <= 0.0, adaptive: self.adaptive };
         let mut env = Env { target: &self.target, drafter: Some(&mut self.drafter), cost: &mut self.cost };
         let proposal = self.source.propose(&mut env, &[request])?.pop().flatten();
         let proposal = proposal.ok_or_else(|| SpecError::State("the drafter proposed nothing".into()))?;
         let proposals = [proposal];
-        let choice = Choice { walk, adaptive: self.adaptive, greedy: temperature <= 0.0, temperature };
-        let tree = arbiter::choose(&proposals, &choice, &self.cost, &mut self.rng);
+        let choice = Choice { walk, adaptive: self.adaptive, matching: temperature <= 0.0, temperature };
+        let tree = arbiter::choose(&proposals, &choice, &self.cost, &mut self.drafting);
         if self.adaptive {
             arbiter::chosen(&mut self.cost, &proposals, &tree, self.block);
         }
@@ -479,21 +499,19 @@ impl Speculator {
 
     /// Verify `seq`'s last draft (or a plain step when there is none) with the frontend's
     /// sampler chain over the target's output rows: `rows[0]` is the anchor's row of the
-    /// verify batch, `rows[1 + k]` draft node k's. A greedy chain keeps drafts while they are
-    /// its pick; a drawing chain (`sample`) keeps them by rejection sampling against the
-    /// drafter's law, so the tokens follow the chain's law exactly. The chain accepts every
+    /// verify batch, `rows[1 + k]` draft node k's (see [`ChainVerify`]). The chain accepts every
     /// token returned. Returns the accepted drafted tokens and the target's own next token,
     /// and records the cycle (no [`Speculator::accept`] after this).
-    pub fn verify(&mut self, seq: i32, chain: &mut ForeignChain, rows: &[usize], sample: bool) -> Result<Vec<Token>> {
+    pub fn verify(&mut self, seq: i32, chain: &mut ForeignChain, rows: &[usize], how: ChainVerify) -> Result<Vec<Token>> {
         let i = self.seq_index(seq)?;
         self.begun(seq)?;
-        match (chain.terminal(), sample) {
-            (Terminal::Dist, false) => {
+        match (chain.terminal(), how) {
+            (Terminal::Dist, ChainVerify::Greedy) => {
                 return Err(SpecError::Invalid(
-                    "the sampler chain draws (ends in dist): verify with dflash2_verify_sample".into(),
+                    "the sampler chain draws (ends in dist): verify with dflash2_verify_sample or dflash2_verify_match".into(),
                 ))
             }
-            (Terminal::Greedy, true) => {
+            (Terminal::Greedy, ChainVerify::Reject) => {
                 return Err(SpecError::Invalid(
                     "the sampler chain picks the argmax (ends in greedy): verify with dflash2_verify_greedy".into(),
                 ))
@@ -519,14 +537,19 @@ impl Speculator {
             let (ids, probs) = chain.law(target.logits(rows[row])?)?;
             Ok(distribution(ids, probs))
         };
-        let accepted: Accepted = if sample {
-            let temperature = self.opts.temperature;
-            let qs = self.seqs[i].draft.as_ref().map_or_else(Vec::new, |d| arbiter::laws(std::slice::from_ref(&d.proposal), &d.tree, temperature));
-            verify_tree(tree, &qs, law_at, &mut self.rng)?
-        } else {
-            accept_greedy(tree, |row| law_at(row).map(|d| d.argmax()))?
+        let accepted: Accepted = match how {
+            ChainVerify::Reject => {
+                let temperature = self.opts.temperature;
+                let qs = self.seqs[i].draft.as_ref().map_or_else(Vec::new, |d| arbiter::laws(std::slice::from_ref(&d.proposal), &d.tree, temperature));
+                verify_tree(tree, &qs, law_at, &mut self.rng)?
+            }
+            ChainVerify::Greedy => accept_matching(tree, |row| law_at(row).map(|d| d.argmax()))?,
+            // the chain samples and takes each row's token itself, the bonus included
+            ChainVerify::Match => accept_matching(tree, |row| Ok::<_, SpecError>(chain.sample(target, rows[row])))?,
         };
-        chain.accept(accepted.bonus);
+        if how != ChainVerify::Match {
+            chain.accept(accepted.bonus);
+        }
         let mut tokens: Vec<Token> = accepted.nodes.iter().map(|&n| tree.nodes[n].token).collect();
         tokens.push(accepted.bonus);
         self.finish_cycle(i, &accepted.nodes, Some(accepted.bonus))?;

@@ -85,6 +85,18 @@ fn stat(stderr: &str, name: &str) -> f64 {
     words[i + 1].parse().unwrap()
 }
 
+/// Drafted tokens accepted over all runs (from each run's statistics line).
+fn accepted_total(stderr: &str) -> usize {
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("frontend: run"))
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w[w.iter().position(|x| *x == "accepted").unwrap() + 1].parse::<usize>().unwrap()
+        })
+        .sum()
+}
+
 /// A chat prompt as text (the frontend tokenizes it with special tokens parsed).
 fn chat_text(target: &Path, text: &str) -> String {
     let model = dflash2::llama::Model::load(target, &Default::default()).unwrap();
@@ -177,19 +189,30 @@ fn frontend_sampling_through_the_helpers_follows_the_chains_law() {
     let plain = pad(run_frontend(&[&base[..], &["--seed", "1"]].concat()));
     let spec = run_frontend(&[&base[..], &["-d", d, "--block", "4", "--seed", "100000"]].concat());
     assert!(stat(&spec.stderr, "drafts") > 0.0, "{}", spec.stderr);
-    let accepted: usize = spec
-        .stderr
-        .lines()
-        .filter(|l| l.starts_with("frontend: run"))
-        .map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            w[w.iter().position(|x| *x == "accepted").unwrap() + 1].parse::<usize>().unwrap()
-        })
-        .sum();
+    let accepted = accepted_total(&spec.stderr);
     assert!(accepted > RUNS / 10, "drafts were accepted at T>0 ({accepted} over {RUNS} runs)");
     let spec = pad(spec);
     assert_eq!((plain.len(), spec.len()), (RUNS, RUNS));
     common::same_distribution(N, &plain, &spec).unwrap();
+}
+
+/// `dflash2_verify_match`: the frontend's chain samples each verified row itself (its draw, its
+/// stream), so with the drafter its loop gives the text it gives without one, seed for seed.
+#[test]
+fn frontend_matching_gives_the_chains_own_text_for_each_seed() {
+    let target = common::real_model(common::SMOLLM2);
+    let t = target.to_str().unwrap();
+    let d = drafter();
+    let d = d.to_str().unwrap();
+    let prompt = chat_text(&target, CHATS[0]);
+    let base = ["-m", t, "-p", &prompt, "-n", "48", "--temp", "0.8", "--runs", "12", "--seed", "7"];
+    let plain = run_frontend(&base);
+    let spec = run_frontend(&[&base[..], &["-d", d, "--block", "4", "--match"]].concat());
+    assert_eq!(plain.runs.len(), 12);
+    assert_eq!(spec.runs, plain.runs, "matching changed the frontend's text");
+    let distinct: std::collections::HashSet<_> = plain.runs.iter().collect();
+    assert!(distinct.len() > 1, "twelve seeds gave one text: nothing was sampled");
+    assert!(accepted_total(&spec.stderr) > 50, "few drafts were taken: {}", spec.stderr);
 }
 
 // ---- misuse: an error code and a message, never a crash ----------------------------------

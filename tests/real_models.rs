@@ -5,7 +5,8 @@
 mod common;
 
 use dflash2::cli::SelectArg;
-use dflash2::engine::{Block, CacheTypes, DraftConfig, Engine, EngineConfig, GenerateOptions, SelectMode};
+use dflash2::engine::{Block, CacheTypes, DraftConfig, Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
+use dflash2::sampling::SamplingParams;
 use dflash2::llama::{CacheType, ChatMessage, Model};
 use dflash2::template::{ChatTemplate, TemplateChoice};
 use common::chat_prompt;
@@ -217,12 +218,13 @@ fn smollm2_grammar_constrained_output_is_lossless() {
             assert!(baseline.text.starts_with("yes, because ") || baseline.text.starts_with("no, because "), "{:?}", baseline.text);
         }
     }
-    // At T > 0 sampled drafts keep what the grammar forbids and verification rejects it: every
-    // sample still follows the grammar.
+    // At T > 0 every sample still follows the grammar (rejection sampling's drafts keep what it
+    // forbids, and verification rejects it).
     let prompt = chat_prompt(&target, "Describe a person called Ann who is 31.");
     for seed in 0..6 {
         let sampling = dflash2::sampling::SamplingParams { temperature: 0.8, seed, ..Default::default() };
-        let opts = GenerateOptions { n_predict: 64, draft: common::draft(SelectMode::Tree, 8), grammar: Some(json.clone()), sampling, ..Default::default() };
+        let verifier = [Verifier::Match, Verifier::Rejection][seed as usize % 2];
+        let opts = GenerateOptions { n_predict: 64, draft: common::draft(SelectMode::Tree, 8), grammar: Some(json.clone()), sampling, verifier, ..Default::default() };
         let g = spec.generate(&prompt, &opts, |_| true).unwrap();
         if g.finish == dflash2::engine::FinishReason::Eog {
             let v: serde_json::Value = serde_json::from_str(&g.text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {:?}", g.text));
@@ -230,6 +232,61 @@ fn smollm2_grammar_constrained_output_is_lossless() {
         } else {
             assert!(g.text.starts_with('{'), "seed {seed}: {:?}", g.text);
         }
+    }
+}
+
+/// At T > 0 verification by matching (the default) samples each verified row with the draw of
+/// its position: for a seed, every mode, block and draft source gives plain decoding's text
+/// token for token, with penalties and under a grammar, whatever was drafted.
+#[test]
+fn smollm2_sampled_speculation_reproduces_plain_decoding() {
+    let cfg = EngineConfig::new(common::real_model(common::SMOLLM2), Some(common::shipped_drafter()));
+    let (target, mut plain, mut spec) = common::plain_and_speculative(&cfg, |_| {});
+    let fixed = |select, block, lookup| DraftConfig { lookup, tree_budget: 8, ..common::draft(select, block) };
+    // (name, with the drafter, drafting)
+    let modes = [
+        ("greedy 8", true, fixed(SelectMode::Greedy, 8, false)),
+        ("best-path 8", true, fixed(SelectMode::BestPath, 8, false)),
+        ("tree 8", true, fixed(SelectMode::Tree, 8, false)),
+        ("greedy 4", true, fixed(SelectMode::Greedy, 4, false)),
+        ("look-up", false, fixed(SelectMode::Greedy, 8, true)),
+        ("drafter and look-up, tree", true, fixed(SelectMode::Tree, 8, true)),
+        ("block auto (the defaults)", true, DraftConfig::default()),
+    ];
+    let base = SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() };
+    let penalised = SamplingParams { repeat_penalty: 1.1, presence_penalty: 0.3, frequency_penalty: 0.1, ..base.clone() };
+    let yes_no = r#"root ::= ("yes" | "no") ", because " [a-z ,]+ ".""#.to_string();
+    let cases = [
+        ("Tell me a story about a fox.", &base, None),
+        ("Here is a list: apple, banana, cherry, grape, lemon, mango. Write the list again.", &base, None),
+        ("Write a Python function that reverses a string.", &penalised, None),
+        ("Is the sea salty?", &base, Some(yes_no)),
+    ];
+    let mut accepted = vec![0usize; modes.len()];
+    for (text, sampling, grammar) in &cases {
+        let prompt = chat_prompt(&target, text);
+        let mut answers = std::collections::HashSet::new();
+        for seed in [7, 11, 2026] {
+            let sampling = SamplingParams { seed, ..(*sampling).clone() };
+            let opts = GenerateOptions { n_predict: 40, sampling, grammar: grammar.clone(), ..Default::default() };
+            let none = GenerateOptions { draft: fixed(SelectMode::None, 8, false), ..opts.clone() };
+            let baseline = plain.generate(&prompt, &none, |_| true).unwrap();
+            answers.insert(baseline.tokens.clone());
+            for (m, (name, drafter, draft)) in modes.iter().enumerate() {
+                let engine = if *drafter { &mut spec } else { &mut plain };
+                let g = engine.generate(&prompt, &GenerateOptions { draft: draft.clone(), ..opts.clone() }, |_| true).unwrap();
+                assert_eq!(
+                    g.tokens, baseline.tokens,
+                    "{name}, seed {seed}, {text:?}: sampled speculation differs from plain decoding\nplain: {}\nspec:  {}",
+                    baseline.text, g.text
+                );
+                accepted[m] += g.stats.n_draft_accepted;
+            }
+        }
+        assert!(answers.len() > 1, "{text:?}: three seeds gave one answer, nothing was sampled");
+    }
+    for ((name, ..), n) in modes.iter().zip(&accepted) {
+        assert!(*n > 20, "{name}: only {n} drafted tokens accepted, the mode went untested");
     }
 }
 

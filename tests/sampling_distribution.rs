@@ -1,7 +1,8 @@
 //! Lossless at temperature > 0: speculative sampling draws from the target's own
 //! distribution. The first generated tokens of thousands of seeded runs are compared
-//! between plain and speculative decoding with a two-sample chi-square test, and the
-//! same test must reject a deliberately broken verifier.
+//! between plain and speculative decoding with a two-sample chi-square test under rejection
+//! sampling, and must be plain decoding's, seed for seed, under matching (its law is the
+//! target's by construction); the same test must reject a deliberately broken verifier.
 mod common;
 
 use dflash2::engine::{DraftConfig, Engine, EngineConfig, GenerateOptions, SelectMode, Verifier};
@@ -122,6 +123,11 @@ fn speculative_sampling_matches_plain_sampling() {
             }
         }
     }
+    for select in [SelectMode::Greedy, SelectMode::Tree] {
+        let plain = sample_runs(&f, RUNS, false, SelectMode::None, 1.0, Verifier::Match);
+        let matched = sample_runs(&f, RUNS, true, select, 1.0, Verifier::Match);
+        assert!(plain == matched, "{select:?}: matching gave other tokens than plain sampling for some seeds");
+    }
 }
 
 /// Under a grammar the target law is the masked one: the random drafter proposes tokens the
@@ -143,6 +149,9 @@ fn speculative_sampling_under_a_grammar_matches_plain_sampling() {
         }
         assert!(stats.n_drafted > 0 && stats.n_draft_accepted > 0, "{select:?}: drafts went untested");
     }
+    let (matched, stats) = sample(&f, RUNS, true, SelectMode::Tree, false, 1.0, Verifier::Match, grammar);
+    assert!(plain == matched, "matching under a grammar gave other tokens than plain sampling for some seeds");
+    assert!(stats.n_draft_accepted > 0, "matching: drafts went untested");
 }
 
 #[test]
@@ -181,6 +190,9 @@ fn smollm2_chains_and_trees_sample_the_target_law() {
             assert!(side_branch_tokens > 50, "only {side_branch_tokens} side-branch tokens accepted: trees went untested");
         }
     }
+    let (matched, side_branch_tokens) = sample_runs_counting_side_branches(&f, runs, true, SelectMode::Tree, 1.0, Verifier::Match);
+    assert!(plain == matched, "trees, matching: other tokens than plain sampling for some seeds");
+    assert!(side_branch_tokens > 0, "matching accepted no side branch: trees went untested");
 }
 
 /// Look-up drafts are one-hot proposals verified by the same rejection sampling: on a request

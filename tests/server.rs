@@ -295,9 +295,40 @@ fn concurrent_streams_are_lossless_and_leave_no_slot_busy() {
         assert!(!a["tokens"].as_array().unwrap().is_empty());
     }
 
+    // At T > 0 a seeded request sent while the other slots are busy gets the text it gets alone
+    // from the plain server (verification by matching, the default), token for token; so does
+    // each of `n` choices, each drawing from its own stream.
+    let sampled = |i: usize| {
+        json!({ "prompt": common::PROMPTS[i % 4], "n_predict": 32, "return_tokens": true,
+                "temperature": 0.9, "top_p": 0.9, "repeat_penalty": 1.1, "seed": 100 + i / 2 })
+    };
+    let together: Vec<Value> = std::thread::scope(|s| {
+        let spec = &spec;
+        let asks: Vec<_> = (0..8).map(|i| s.spawn(move || spec.post_ok("/completion", sampled(i)))).collect();
+        asks.into_iter().map(|a| a.join().unwrap()).collect()
+    });
+    let mut answers = std::collections::HashSet::new();
+    for (i, got) in together.iter().enumerate() {
+        let alone = plain.post_ok("/completion", sampled(i));
+        assert_eq!(got["tokens"], alone["tokens"], "{}: under load it differs from plain decoding alone", sampled(i));
+        answers.insert(alone["tokens"].to_string());
+    }
+    assert!(answers.len() > 4, "the seeds gave {} answers: nothing was sampled", answers.len());
+    let choices = |server: &Server| {
+        let body = json!({ "prompt": "Once upon a time", "max_tokens": 24, "n": 3, "temperature": 1.0, "seed": 5 });
+        let v = server.post_ok("/v1/completions", body);
+        let mut texts: Vec<(i64, String)> =
+            v["choices"].as_array().unwrap().iter().map(|c| (c["index"].as_i64().unwrap(), c["text"].as_str().unwrap().into())).collect();
+        texts.sort();
+        texts
+    };
+    let (a, b) = (choices(&spec), choices(&plain));
+    assert_eq!(a, b, "n = 3 at T = 1: the choices differ from plain decoding's");
+    assert!(a[0].1 != a[1].1 || a[1].1 != a[2].1, "three choices gave one text: {a:?}");
+
     spec.wait_idle();
     assert_eq!(spec.metric("requests_failed_total"), 0.0);
-    assert_eq!(spec.metric("requests_finished_total"), 44.0);
+    assert_eq!(spec.metric("requests_finished_total"), 55.0);
     assert!(spec.metric("draft_tokens_total") > 0.0, "the speculative server never drafted");
     assert!(spec.metric("tau") >= 1.0);
 }
@@ -859,6 +890,11 @@ fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
         server.post_ok("/completion", body)["tokens"].clone()
     };
     let free = ask(&plain, json!({}));
+    // either verification at T > 0 arrives; matching gives plain decoding's tokens
+    let hot = json!({ "temperature": 0.9, "seed": 3 });
+    let reject = json!({ "temperature": 0.9, "seed": 3, "spec_sampling": "reject" });
+    assert_eq!(ask(&spec, json!({ "temperature": 0.9, "seed": 3, "spec_sampling": "match" })), ask(&plain, hot.clone()));
+    assert_eq!(ask(&spec, reject).as_array().map(Vec::len), ask(&plain, hot).as_array().map(Vec::len));
     let first = free[0].as_i64().unwrap();
     let text: String = plain.post_ok("/detokenize", json!({ "tokens": [first] }))["content"].as_str().unwrap().into();
     let cases = [
@@ -886,6 +922,7 @@ fn sampling_fields_arrive_and_unbuilt_ones_are_refused_by_name() {
         (r#"{"prompt": "hi", "logit_bias": {"999999999": 1}}"#, "logit_bias"),
         (r#"{"prompt": "hi", "logit_bias": {"1": "a lot"}}"#, "logit_bias"),
         (r#"{"prompt": "hi", "frequency_penalty": 2.5}"#, "frequency_penalty"),
+        (r#"{"prompt": "hi", "spec_sampling": "exact"}"#, "spec_sampling"),
     ] {
         let (code, v) = spec.post("/completion", body);
         assert_eq!(code, 400, "{body}: {v}");

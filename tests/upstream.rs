@@ -43,7 +43,7 @@ fn same_drafts(target: Arc<Model>, drafter_model: Arc<Model>, prompts: &[&str]) 
 
         let lattice = drafter.draft(&[(last, prefix.len(), 0)], block).unwrap().remove(0);
         let ours: Vec<i32> = Greedy.select(&lattice, block - 1).nodes.iter().map(|n| n.token).collect();
-        let request = Request { seq: 0, history: prefix, last, pos: prefix.len(), max_len: block - 1, walk: Walk::Greedy, greedy: true, adaptive: false };
+        let request = Request { seq: 0, history: prefix, last, pos: prefix.len(), max_len: block - 1, walk: Walk::Greedy, matching: true, adaptive: false };
         let mut env = Env { target: &ctx, drafter: Some(&mut drafter), cost: &mut cost };
         let proposal = upstream.propose(&mut env, &[request]).unwrap().remove(0).expect("a proposal");
         let Draft::Fixed(tree) = proposal.draft else { panic!("llama.cpp's driver drafts a fixed chain") };

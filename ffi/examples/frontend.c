@@ -5,7 +5,7 @@
  *   cc -std=c11 frontend.c -I<dflash2>/ffi -I<llama.cpp build>/include libdflash2.a \
  *      -lstdc++ -lgomp -lm -lpthread -ldl -o frontend
  *   ./frontend -m TARGET.gguf [-d DRAFTER.gguf] -p PROMPT [-n N] [--temp T] [--seed S] [--runs R]
- *              [--block B] [--select greedy|best-path] [--capture]
+ *              [--block B] [--select greedy|best-path] [--capture] [--match]
  *
  * Without -d it decodes plainly (one llama_decode and one llama_sampler_sample per token): the
  * baseline the speculative loop must reproduce. The prompt is tokenized as given (special
@@ -14,7 +14,9 @@
  * prompt's cells stay cached from the first run on, as a server reuses a cached prompt: a
  * later run drops the last one's tokens and decodes only the prompt's last token again.
  * --capture installs the layer-input capture (any architecture); otherwise llama.cpp's own
- * extraction is used (llama, qwen3, ...).
+ * extraction is used (llama, qwen3, ...). At --temp > 0, --match verifies with
+ * dflash2_verify_match (the chain samples each row: the text of the loop without -d, for a
+ * seed) over the most likely drafts; otherwise with dflash2_verify_sample (rejection sampling).
  */
 #define _POSIX_C_SOURCE 200809L /* setenv, clock_gettime */
 #include <llama.h>
@@ -53,12 +55,13 @@ static struct llama_sampler *make_chain(float temp, uint32_t seed) {
 
 int main(int argc, char **argv) {
     const char *target_path = NULL, *drafter_path = NULL, *prompt = NULL, *select = "greedy";
-    int n_predict = 64, runs = 1, capture = 0, block = 0;
+    int n_predict = 64, runs = 1, capture = 0, block = 0, match = 0;
     float temp = 0;
     uint32_t seed = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--capture")) { capture = 1; continue; }
+        if (!strcmp(a, "--match")) { match = 1; continue; }
         if (!v) { fprintf(stderr, "frontend: %s needs a value\n", a); return 2; }
         i++;
         if (!strcmp(a, "-m")) target_path = v;
@@ -108,7 +111,7 @@ int main(int argc, char **argv) {
         dflash2_spec_params sp = dflash2_spec_default_params();
         sp.block_size = (uint32_t)block;
         sp.select = !strcmp(select, "best-path") ? DFLASH2_SELECT_BEST_PATH : DFLASH2_SELECT_GREEDY;
-        sp.temperature = temp;
+        sp.temperature = match ? 0.0f : temp;
         sp.seed = seed;
         sp.n_threads = 2;
         sp.capture = cap;
@@ -160,7 +163,9 @@ int main(int argc, char **argv) {
             } else {
                 if (dflash2_spec_process(spec, &batch) != DFLASH2_OK) die("process");
                 for (int r = 0; r <= (int)n_draft; r++) rows[r] = last_row - (int)n_draft + r;
-                dflash2_status st = temp > 0
+                dflash2_status st = temp > 0 && match
+                    ? dflash2_verify_match(spec, 0, chain, ctx, rows, (int32_t)n_draft + 1, got, MAX_BLOCK + 1, &n_got)
+                    : temp > 0
                     ? dflash2_verify_sample(spec, 0, chain, ctx, rows, (int32_t)n_draft + 1, got, MAX_BLOCK + 1, &n_got)
                     : dflash2_verify_greedy(spec, 0, chain, ctx, rows, (int32_t)n_draft + 1, got, MAX_BLOCK + 1, &n_got);
                 if (st != DFLASH2_OK) die("verify");

@@ -4,7 +4,7 @@
 use super::{check_tokens, err, free_handle, guard, non_null, out_buf, out_ptr, select_mode, slice, Error, Result, Status};
 use crate::draft::config::{Block, DraftConfig};
 use crate::llama::{Capture, Context, FeatureSource, ForeignChain, LlamaError, Model};
-use crate::speculator::{check_drafter_for, load_drafter_for, BatchRow, SpecError, SpecOptions, Speculator};
+use crate::speculator::{check_drafter_for, load_drafter_for, BatchRow, ChainVerify, SpecError, SpecOptions, Speculator};
 use llama_cpp_sys_2 as sys;
 use std::ffi::{c_char, c_void};
 use std::path::Path;
@@ -526,7 +526,7 @@ pub unsafe extern "C" fn dflash2_verify_greedy(
     capacity: usize,
     n_out: *mut usize,
 ) -> Status {
-    verify_into(spec, seq, chain, ctx, rows, n_rows, out, capacity, n_out, false)
+    verify_into(spec, seq, chain, ctx, rows, n_rows, out, capacity, n_out, ChainVerify::Greedy)
 }
 
 /// # Safety
@@ -543,7 +543,24 @@ pub unsafe extern "C" fn dflash2_verify_sample(
     capacity: usize,
     n_out: *mut usize,
 ) -> Status {
-    verify_into(spec, seq, chain, ctx, rows, n_rows, out, capacity, n_out, true)
+    verify_into(spec, seq, chain, ctx, rows, n_rows, out, capacity, n_out, ChainVerify::Reject)
+}
+
+/// # Safety
+/// See `dflash2_verify_match` in `ffi/dflash2.h`.
+#[no_mangle]
+pub unsafe extern "C" fn dflash2_verify_match(
+    spec: *mut SpecHandle,
+    seq: i32,
+    chain: *mut sys::llama_sampler,
+    ctx: *mut sys::llama_context,
+    rows: *const i32,
+    n_rows: i32,
+    out: *mut i32,
+    capacity: usize,
+    n_out: *mut usize,
+) -> Status {
+    verify_into(spec, seq, chain, ctx, rows, n_rows, out, capacity, n_out, ChainVerify::Match)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -557,7 +574,7 @@ unsafe fn verify_into(
     out: *mut i32,
     capacity: usize,
     n_out: *mut usize,
-    sample: bool,
+    how: ChainVerify,
 ) -> Status {
     guard(|| {
         let n_out = out_ptr(n_out, "n_out")?;
@@ -581,7 +598,7 @@ unsafe fn verify_into(
             return err(Status::BufferTooSmall, format!("out holds {} tokens, up to {} may be accepted", out.len(), rows.len()));
         }
         let mut chain = ForeignChain::borrow_raw(chain)?;
-        let tokens = s.verify(seq, &mut chain, &rows, sample)?;
+        let tokens = s.verify(seq, &mut chain, &rows, how)?;
         out[..tokens.len()].copy_from_slice(&tokens);
         *n_out = tokens.len();
         Ok(())

@@ -156,6 +156,11 @@ pub struct SamplingArgs {
     /// Random seed.
     #[arg(long = "seed", default_value_t = 0xD1F1A5)]
     pub seed: u64,
+    /// How drafts are verified at T > 0: `match` samples each verified row with its position's
+    /// draw and keeps drafted tokens while they equal it (a seed gives plain decoding's text);
+    /// `reject` is rejection sampling (the same distribution, not the same text).
+    #[arg(long = "spec-sampling", value_enum, default_value_t = crate::engine::Verifier::Match)]
+    pub spec_sampling: crate::engine::Verifier,
     /// Constrain the output to a GBNF grammar (root rule `root`), as llama.cpp's `--grammar`.
     #[arg(long, conflicts_with_all = ["grammar_file", "json_schema"])]
     pub grammar: Option<String>,
@@ -180,6 +185,7 @@ impl SamplingArgs {
             repeat_last_n: self.repeat_last_n,
             logit_bias: self.logit_bias.clone(),
             seed: self.seed,
+            choice: 0,
         }
     }
 }
@@ -475,6 +481,7 @@ impl EngineArgs {
             stop,
             sampling: self.sampling.params(),
             grammar: self.sampling.grammar()?,
+            verifier: self.sampling.spec_sampling,
             ..Default::default()
         })
     }

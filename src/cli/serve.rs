@@ -141,6 +141,7 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
         defaults: Defaults {
             draft,
             sampling: args.sampling.params(),
+            verifier: args.sampling.spec_sampling,
             n_predict: usize::try_from(args.n_predict).ok(),
             max_prompt_tokens: Some(args.max_prompt_tokens).filter(|&n| n > 0),
         },

@@ -10,12 +10,14 @@ use rand::Rng;
 /// How one sequence's draft is chosen.
 #[derive(Debug, Clone, Copy)]
 pub struct Choice {
-    /// The lattice walk; a tree also lets one-hot proposals branch and merge (at temperature 0).
+    /// The lattice walk; a tree also lets one-hot proposals branch and merge (when matching).
     pub walk: Walk,
     /// The length follows the cost model (`Block::Auto`).
     pub adaptive: bool,
-    /// Drafts are verified greedily; otherwise at `temperature`, by rejection sampling.
-    pub greedy: bool,
+    /// Drafts are verified by matching the target's own token (its argmax, or its seeded sample
+    /// at T > 0: the likeliest draft is the best bet either way); otherwise at `temperature`,
+    /// by rejection sampling.
+    pub matching: bool,
     pub temperature: f32,
 }
 
@@ -28,9 +30,9 @@ pub fn decode_pays(cost: &mut CostModel, free: &[Proposal], adaptive: bool) -> b
     !(expected > 0.0 && expected >= cost.drafter_expected()) && (!adaptive || cost.should_draft())
 }
 
-/// The draft of one sequence from its proposals: a fixed draft as it comes; else at temperature
-/// 0 the law's walk merged with the one-hot trees (a tree) or the likeliest of the paths, and
-/// above it either the one-hot path or a draw from the law, picked before anything is drawn
+/// The draft of one sequence from its proposals: a fixed draft as it comes; else, verified by
+/// matching, the law's walk merged with the one-hot trees (a tree) or the likeliest of the
+/// paths, and by rejection sampling either the one-hot path or a draw from the law, picked before anything is drawn
 /// (rejection sampling needs the law's draft drawn from q whatever else happens). An adaptive
 /// length keeps the prefix the cost model expects to pay best (0: a plain step). Nodes come
 /// depth-first, as the verify batch lays them out.
@@ -43,7 +45,7 @@ pub fn choose(proposals: &[Proposal], c: &Choice, cost: &CostModel, rng: &mut im
         return t.clone();
     }
     let law = lattice(proposals);
-    let branch = matches!(c.walk, Walk::Tree { .. }) && c.greedy;
+    let branch = matches!(c.walk, Walk::Tree { .. }) && c.matching;
     let estimates = proposals.iter().filter_map(|p| match &p.draft {
         Draft::Estimates { tree: Some(tree), .. } if branch => Some(tree),
         Draft::Estimates { path, .. } => Some(path),
@@ -54,7 +56,7 @@ pub fn choose(proposals: &[Proposal], c: &Choice, cost: &CostModel, rng: &mut im
             Some(t) => t.clone(),
             None => return DraftTree::default(),
         },
-        Some(lattice) if c.greedy => {
+        Some(lattice) if c.matching => {
             let walked = select::draft(lattice, c.walk, 0.0, rng);
             match c.walk {
                 Walk::Tree { budget } if branch => estimates.fold(walked, |t, e| t.merge(e, budget)),

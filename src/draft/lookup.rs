@@ -339,10 +339,10 @@ impl DraftSource for Lookup {
             s.index.sync(r.history, r.last);
             let trie = s.index.propose(s.ngram, r.max_len);
             s.match_len = trie.as_ref().map(|t| t.match_len);
-            // At T > 0 a look-up draft is a chain: its tokens are one-hot proposals, and siblings
-            // in a rejection-sampled tree must share one proposal law.
+            // Under rejection sampling a look-up draft is a chain: its tokens are one-hot
+            // proposals, and siblings in a rejection-sampled tree must share one proposal law.
             let branch = match r.walk {
-                Walk::Tree { budget } if r.greedy => Some(budget),
+                Walk::Tree { budget } if r.matching => Some(budget),
                 _ => None,
             };
             let draft = trie.map(|trie| Draft::Estimates {

@@ -32,8 +32,8 @@ pub struct Request<'a> {
     pub max_len: usize,
     /// How the draft will be walked (a tree only where the verify can hold one).
     pub walk: Walk,
-    /// Drafts are verified at temperature 0 (one-hot proposals may branch).
-    pub greedy: bool,
+    /// Drafts are verified by matching the target's own token (one-hot proposals may branch).
+    pub matching: bool,
     /// The length follows the cost model (`Block::Auto`).
     pub adaptive: bool,
 }

@@ -131,9 +131,9 @@ impl Engine {
         let d = &run.opts.draft;
         let walk = d.select.walk(self.cached.len() == 1, d.tree_budget);
         let temperature = run.sampler.params().temperature;
-        let choice = Choice { walk, adaptive: run.adaptive, greedy: run.sampler.is_greedy(), temperature };
-        let mut tree = arbiter::choose(&p.proposals, &choice, &self.cost, run.sampler.rng());
-        p.draft.states = States::follow(&mut tree, run.grammar.as_ref(), choice.greedy);
+        let choice = Choice { walk, adaptive: run.adaptive, matching: run.matching(), temperature };
+        let mut tree = arbiter::choose(&p.proposals, &choice, &self.cost, run.sampler.drafting());
+        p.draft.states = States::follow(&mut tree, run.grammar.as_ref(), choice.matching);
         p.draft.tree = tree;
         if run.adaptive {
             arbiter::chosen(&mut self.cost, &p.proposals, &p.draft.tree, run.block);
@@ -146,12 +146,12 @@ impl Engine {
     /// came from sources that cost no call.
     fn commit(&mut self, p: &Plan, run: &mut Run) -> Result<(Vec<Token>, Vec<TokenProb>, usize)> {
         let d = &p.draft;
-        let greedy = run.sampler.is_greedy();
-        let qs = if greedy { Vec::new() } else { arbiter::laws(&p.proposals, &d.tree, run.sampler.params().temperature) };
+        let qs = if run.matching() { Vec::new() } else { arbiter::laws(&p.proposals, &d.tree, run.sampler.params().temperature) };
         let Self { sources, target, batch, history, cached, cost, near_tie_margin, .. } = self;
         let mut check = Check { target, batch, history, n_seqs: cached.len() };
-        let law = Law { sampler: &mut run.sampler, grammar: run.grammar.as_ref(), cached: &cached[d.seq] };
-        let (mut path, mut next) = match check.accept(d, law, *near_tie_margin, &qs, run.opts.verifier)? {
+        let (index, verifier) = (run.tokens().len(), run.opts.verifier);
+        let law = Law { sampler: &run.sampler, grammar: run.grammar.as_ref(), cached: &cached[d.seq], index, verifier };
+        let (mut path, mut next) = match check.accept(d, law, *near_tie_margin, &qs)? {
             Verdict::Retry => {
                 run.near_tie();
                 check.retry_alone(d)?;
@@ -180,7 +180,7 @@ impl Engine {
         if in_order < path.len() {
             let t = Instant::now();
             let tail = path.split_off(in_order);
-            let law = Law { sampler: &mut run.sampler, grammar: run.grammar.as_ref(), cached: &cached[d.seq] };
+            let law = Law { sampler: &run.sampler, grammar: run.grammar.as_ref(), cached: &cached[d.seq], index, verifier };
             let (kept, bonus) = check.redecode(d, &tail, &law)?;
             sources.observe(check.target, d.seq, &(0..kept).collect::<Vec<_>>(), d.pos0 + d.tree.nodes[tail[0]].depth)?;
             path.extend_from_slice(&tail[..kept]);
@@ -238,7 +238,7 @@ fn request<'a>(cached: &'a [Vec<Token>], p: &Plan, run: &Run, trees: bool) -> Re
         pos: p.draft.pos0,
         max_len: p.max_draft,
         walk: d.select.walk(trees, d.tree_budget),
-        greedy: run.sampler.is_greedy(),
+        matching: run.matching(),
         adaptive: run.adaptive,
     }
 }

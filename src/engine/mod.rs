@@ -25,7 +25,7 @@ use crate::draft::cost::CostModel;
 use crate::draft::drafter::Drafter;
 use crate::llama::{Batch, Context, Grammar, LlamaError, Model, Token};
 use crate::sampling::{token_probs, TokenProb};
-use crate::verify::{constrained_argmax, masked};
+use crate::verify::own_token;
 use sources::Sources;
 use std::sync::Arc;
 use std::time::Instant;
@@ -217,11 +217,7 @@ impl Engine {
             progress(report(self.cached[slot].len()));
         }
         let logits = self.target.logits(last_logits_row)?;
-        let first = if run.sampler.is_greedy() {
-            constrained_argmax(&run.sampler, logits, prompt, run.grammar.as_ref())
-        } else {
-            run.sampler.pick(&masked(logits, run.grammar.as_ref()), prompt)
-        };
+        let first = own_token(&run.sampler, logits, prompt, run.grammar.as_ref(), 0);
         Ok((first, run.opts.n_probs.map(|n| token_probs(logits, first, n))))
     }
 

@@ -156,8 +156,8 @@ pub struct GenerateOptions {
     /// Report each output token's log-probability and this many likeliest alternatives
     /// (None: none), from the same target rows that chose it.
     pub n_probs: Option<usize>,
-    /// How drafts are checked at temperature > 0. Only tests change it.
-    #[doc(hidden)]
+    /// How drafts are checked at temperature > 0: by matching (plain decoding's text for a
+    /// seed) or by rejection sampling (its distribution).
     pub verifier: Verifier,
 }
 
@@ -171,7 +171,7 @@ impl Default for GenerateOptions {
             n_probs: None,
             grammar: None,
             grammar_triggers: Vec::new(),
-            verifier: Verifier::Rejection,
+            verifier: Verifier::Match,
         }
     }
 }

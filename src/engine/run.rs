@@ -143,6 +143,11 @@ impl Run {
         }
     }
 
+    /// Whether its drafts are verified by matching the target's own token (`Verifier`).
+    pub(super) fn matching(&self) -> bool {
+        self.opts.verifier.matches(self.sampler.is_greedy())
+    }
+
     /// A verify row was too close to call (the near-tie guard): the next cycle decodes alone.
     pub(super) fn near_tie(&mut self) {
         self.stats.near_ties += 1;

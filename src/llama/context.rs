@@ -425,7 +425,7 @@ impl Context {
         }
     }
 
-    fn ptr(&self) -> *mut sys::llama_context {
+    pub(super) fn ptr(&self) -> *mut sys::llama_context {
         self.h.ptr.as_ptr()
     }
 

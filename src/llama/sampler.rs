@@ -108,6 +108,12 @@ impl ForeignChain {
         Ok((kept.iter().map(|&(id, _)| id).collect(), exps.iter().map(|&e| (e / sum) as f32).collect()))
     }
 
+    /// The chain's own token at output row `row` of `ctx`'s last decode, as the frontend's loop
+    /// samples it (its filters, its draw, its random stream); the chain takes it as generated.
+    pub fn sample(&mut self, ctx: &super::Context, row: usize) -> Token {
+        unsafe { sys::llama_sampler_sample(self.ptr.as_ptr(), ctx.ptr(), row as i32) }
+    }
+
     /// The chain takes `token` as generated (penalty windows, grammar state).
     pub fn accept(&mut self, token: Token) {
         unsafe { sys::llama_sampler_accept(self.ptr.as_ptr(), token) }

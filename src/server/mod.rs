@@ -19,6 +19,7 @@ pub mod tools;
 pub mod types;
 
 use crate::draft::config::DraftConfig;
+use crate::engine::Verifier;
 use crate::llama::Model;
 use crate::sampling::SamplingParams;
 use crate::template::ChatTemplate;
@@ -36,6 +37,8 @@ pub struct Defaults {
     /// How requests draft; they may turn the look-up on or off (`--lookup`) and set its n-gram.
     pub draft: DraftConfig,
     pub sampling: SamplingParams,
+    /// How drafts are verified at T > 0 (`--spec-sampling`; a request's `spec_sampling`).
+    pub verifier: Verifier,
     /// Tokens a request without a limit generates at most (`-n`; None: to the end of the context).
     pub n_predict: Option<usize>,
     /// Longest prompt a request may send, in tokens (`--max-prompt-tokens`; None: the slot's context).

@@ -9,7 +9,7 @@ use super::tools::{self, Tools};
 use super::types::*;
 use super::AppState;
 use crate::draft::config::SelectMode;
-use crate::engine::{GenerateOptions, Generation};
+use crate::engine::{GenerateOptions, Generation, Verifier};
 use crate::llama::{LlamaError, Model, Token};
 use crate::sampling::SamplingParams;
 use axum::body::Bytes;
@@ -368,12 +368,12 @@ pub(super) fn submit(
         }
     }
     // `n` choices are `n` generations of one prompt, decoded side by side in the slots; at T > 0
-    // choice i samples with seed + i (one seed would give n copies of one answer).
+    // choice i draws from stream i of the seed (one stream would give n copies of one answer).
     let mut events = Vec::with_capacity(prompts.len() * n);
     for prompt in prompts {
         for i in 0..n {
             let mut opts = opts.clone();
-            opts.sampling.seed = opts.sampling.seed.wrapping_add(i as u64);
+            opts.sampling.choice = i as u64;
             let req = GenRequest { prompt: prompt.clone(), opts, slot, progress };
             let rx = s.scheduler.submit(req).map_err(|QueueFull| {
                 s.metrics.rejected();
@@ -447,6 +447,7 @@ pub(super) fn options(
             Some(n) if n < 0 => rand::random(),
             Some(n) => n as u64,
         },
+        choice: 0,
     };
     super::fields::check_samplers(f.samplers.as_ref(), &sampling)?;
     let grammar = super::fields::grammar(f.grammar.as_deref(), f.json_schema.as_ref(), f.response_format.as_ref(), s.model())?;
@@ -465,12 +466,19 @@ pub(super) fn options(
     if draft.select == SelectMode::None && lookup {
         draft.select = SelectMode::Greedy;
     }
+    let verifier = match f.spec_sampling.as_deref() {
+        None => s.defaults.verifier,
+        Some(v) => <Verifier as clap::ValueEnum>::from_str(v, false).map_err(|_| {
+            ApiError::invalid_param("spec_sampling", format!("`spec_sampling` must be \"match\" or \"reject\", got {v:?}"))
+        })?,
+    };
     Ok(GenerateOptions {
         n_predict,
         draft,
         stop: stop_strings(f.stop)?,
         sampling,
         grammar,
+        verifier,
         ..GenerateOptions::default()
     })
 }

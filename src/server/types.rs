@@ -34,6 +34,8 @@ pub struct SamplingFields {
     pub response_format: Option<serde_json::Value>,
     /// Negative: a random seed (llama.cpp's -1).
     pub seed: Option<i64>,
+    /// How drafts are verified at T > 0: `"match"` or `"reject"` (`--spec-sampling`).
+    pub spec_sampling: Option<String>,
     pub stop: Option<Stop>,
     /// Extras of this server: draft from the context too (`--lookup`), and the longest
     /// suffix that look-up matches (`--lookup-ngram`).

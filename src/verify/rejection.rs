@@ -12,8 +12,9 @@
 //! output. A chain is the tree with one child per node; a greedy draft at T > 0 is the
 //! proposal q = one-hot on the draft.
 //!
-//! RNG use is fixed by the outcome, so a seed reproduces a run: one uniform draw per tested
-//! draft, and one for the token drawn where the walk stops.
+//! RNG use is fixed by the outcome: one uniform draw per tested draft, and one for the token
+//! drawn where the walk stops. The output follows p, but which tokens come out depends on what
+//! was drafted: only matching (`super::matching`) gives plain decoding's text for a seed.
 
 use super::Accepted;
 use crate::draft::DraftTree;

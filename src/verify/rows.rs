@@ -39,17 +39,27 @@ pub fn constrained_argmax(sampler: &Sampler, logits: &[f32], history: &[Token], 
     }
 }
 
+/// The target's own token: its greedy token under `grammar` at temperature 0, else its law
+/// (masked by `grammar`) sampled with the draw of generated token `index`, as plain decoding
+/// picks it.
+pub fn own_token(sampler: &Sampler, logits: &[f32], history: &[Token], grammar: Option<&Grammar>, index: usize) -> Token {
+    match sampler.is_greedy() {
+        true => constrained_argmax(sampler, logits, history, grammar),
+        false => sampler.pick(&masked(logits, grammar), history, index),
+    }
+}
+
 /// A draft's grammar states: the state after each node's token (None under a token the grammar
 /// forbids, which only sampled drafts keep: the target never accepts it).
 #[derive(Debug, Default)]
 pub struct States(Vec<Option<Grammar>>);
 
 impl States {
-    /// Follow `grammar` (the sequence's state) down `tree`. At T = 0 (`greedy`) the tokens it
-    /// forbids, and what hangs below them, are cut first: the target would never take them.
+    /// Follow `grammar` (the sequence's state) down `tree`. Verified by `matching`, the tokens
+    /// it forbids, and what hangs below them, are cut first: the target would never take them.
     /// Sampled drafts keep them (dropping a drawn token would bias the rejection sampler), and
     /// verification rejects them.
-    pub fn follow(tree: &mut DraftTree, grammar: Option<&Grammar>, greedy: bool) -> Self {
+    pub fn follow(tree: &mut DraftTree, grammar: Option<&Grammar>, matching: bool) -> Self {
         let Some(g) = grammar else { return Self::default() };
         let mut states: Vec<Option<Grammar>> = Vec::with_capacity(tree.len());
         for n in &tree.nodes {
@@ -63,7 +73,7 @@ impl States {
             });
             states.push(state);
         }
-        if greedy && states.iter().any(Option::is_none) {
+        if matching && states.iter().any(Option::is_none) {
             let keep: Vec<bool> = states.iter().map(Option::is_some).collect();
             *tree = tree.retain(&keep);
             states.retain(Option::is_some);

@@ -1,8 +1,9 @@
 //! Verification against the target: the verify batch's layout (a path in its sequence's cells,
-//! a tree with a sequence per leaf), the walk over its rows (greedy with the near-tie guard, or
-//! rejection sampling), the cells kept afterwards, and the re-decode of an accepted side branch.
-use super::rows::{constrained_argmax, fill_history, masked, States};
-use super::{accept_greedy, verify_tree};
+//! a tree with a sequence per leaf), the walk over its rows (matching, with the near-tie guard at
+//! temperature 0, or rejection sampling), the cells kept afterwards, and the re-decode of an
+//! accepted side branch.
+use super::rows::{fill_history, masked, own_token, States};
+use super::{accept_matching, verify_tree};
 use crate::draft::DraftTree;
 use crate::llama::{Batch, Context, Grammar, LlamaError, Result, Token};
 use crate::sampling::{Distribution, Sampler};
@@ -13,16 +14,30 @@ pub const MAX_TREE_LEAVES: usize = 64;
 /// How much wider than the probe's worst stray the near-tie guard's margin is.
 const NEAR_TIE_SAFETY: f32 = 2.0;
 
-/// How drafts are checked at temperature > 0.
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How drafts are checked at temperature > 0 (at 0 both are the target's argmax).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Verifier {
-    /// Rejection sampling: the output follows the target's distribution.
+    /// Each row's token is sampled from the target's law with its position's draw, and drafted
+    /// tokens are kept while they equal it: plain decoding's text for a seed, token for token.
     #[default]
+    Match,
+    /// Rejection sampling against the drafter's law: the same distribution as plain decoding,
+    /// not the same text; it accepts more where drafts are drawn from the drafter's law.
+    #[value(name = "reject")]
     Rejection,
     /// DELIBERATELY WRONG: accepts every draft. It exists so the distribution test can
     /// show that it detects a broken verifier.
+    #[doc(hidden)]
+    #[value(skip)]
     AcceptAll,
+}
+
+impl Verifier {
+    /// Whether drafts at this temperature are verified by matching the target's own token
+    /// (a plain step always is: it has nothing to test).
+    pub fn matches(self, greedy: bool) -> bool {
+        greedy || self == Verifier::Match
+    }
 }
 
 /// One sequence's draft in the verify batch.
@@ -42,11 +57,21 @@ pub struct Drafted {
 }
 
 /// The law a sequence is decoded with: its sampler, the grammar's state after what it
-/// committed, and what its cache holds (the penalties' history).
+/// committed, what its cache holds (the penalties' history), which generated token the
+/// anchor's row decides (its draw), and how drafts are verified.
 pub struct Law<'a> {
-    pub sampler: &'a mut Sampler,
+    pub sampler: &'a Sampler,
     pub grammar: Option<&'a Grammar>,
     pub cached: &'a [Token],
+    pub index: usize,
+    pub verifier: Verifier,
+}
+
+impl Law<'_> {
+    /// The generated token that verify row `row` of `tree` decides.
+    fn index(&self, tree: &DraftTree, row: usize) -> usize {
+        self.index + if row == 0 { 0 } else { tree.nodes[row - 1].depth }
+    }
 }
 
 /// What the target made of one draft.
@@ -111,31 +136,34 @@ impl Check<'_> {
         Ok(())
     }
 
-    /// Walk `d`'s rows of the last decode. At temperature 0: follow the target's argmax down the
-    /// draft, behind the near-tie guard (`margin`: forced, or from the target's load-time probe).
-    /// Above: rejection sampling against `qs` (the proposal each node was drawn from).
-    pub fn accept(&mut self, d: &Drafted, law: Law, margin: Option<f32>, qs: &[Vec<(i32, f32)>], verifier: Verifier) -> Result<Verdict> {
-        if law.sampler.is_greedy() {
-            let target = &*self.target;
-            let (history, sampler, grammar) = (&mut *self.history, &*law.sampler, law.grammar);
-            let accepted = accept_greedy(&d.tree, |row| -> Result<Token> {
+    /// Walk `d`'s rows of the last decode. By matching: follow the target's own token down the
+    /// draft (at temperature 0 its argmax, behind the near-tie guard; `margin`: forced, or from
+    /// the target's load-time probe). Else rejection sampling against `qs` (the proposal each
+    /// node was drawn from), all its draws from the anchor's stream.
+    pub fn accept(&mut self, d: &Drafted, law: Law, margin: Option<f32>, qs: &[Vec<(i32, f32)>]) -> Result<Verdict> {
+        let (history, target, grammar, sampler) = (&mut *self.history, &*self.target, law.grammar, law.sampler);
+        if law.verifier.matches(sampler.is_greedy()) || d.tree.is_empty() {
+            let accepted = accept_matching(&d.tree, |row| -> Result<Token> {
                 fill_history(history, law.cached, d.last, &d.tree, row, sampler.params());
-                Ok(constrained_argmax(sampler, target.logits(d.row0 + row)?, history, d.states.row(grammar, row)?))
+                Ok(own_token(sampler, target.logits(d.row0 + row)?, history, d.states.row(grammar, row)?, law.index(&d.tree, row)))
             })?;
+            if !sampler.is_greedy() {
+                return Ok(Verdict::Take { path: accepted.nodes, next: accepted.bonus, near_tie: false });
+            }
             return self.guard_near_ties(d, &law, margin, accepted.nodes, accepted.bonus);
         }
-        let (history, target, grammar) = (&mut *self.history, &*self.target, law.grammar);
-        let (params, rng) = law.sampler.params_and_rng();
+        let params = sampler.params();
         let mut target_law = |row: usize| -> Result<Distribution> {
             fill_history(history, law.cached, d.last, &d.tree, row, params);
             Ok(params.distribution(&masked(target.logits(d.row0 + row)?, d.states.row(grammar, row)?), history))
         };
-        let (path, next) = if verifier == Verifier::AcceptAll {
+        let (path, next) = if law.verifier == Verifier::AcceptAll {
             let principal = d.tree.principal_path();
-            let bonus = target_law(principal.last().map_or(0, |&n| n + 1))?.sample(rng);
+            let row = principal.last().map_or(0, |&n| n + 1);
+            let bonus = target_law(row)?.sample(&mut sampler.draws(law.index(&d.tree, row)));
             (principal, bonus)
         } else {
-            let accepted = verify_tree(&d.tree, qs, target_law, rng)?;
+            let accepted = verify_tree(&d.tree, qs, target_law, &mut sampler.draws(law.index))?;
             (accepted.nodes, accepted.bonus)
         };
         Ok(Verdict::Take { path, next, near_tie: false })
@@ -222,9 +250,10 @@ impl Check<'_> {
     /// the branch is verified once more on the new rows, which round exactly as plain decoding:
     /// only its first node (accepted on an in-order row) is certain. Returns how many nodes of
     /// `tail` are kept and, when verified again, the target's next token after them; the kept
-    /// nodes are rows `0..kept` of the last decode, at positions from the first one's. (At
-    /// T > 0 the rounding of the tree rows changes the target's law by far less than any test
-    /// can see; the sampled token stands.)
+    /// nodes are rows `0..kept` of the last decode, at positions from the first one's. Matching
+    /// verifies again at T > 0 too (each row with its position's draw); after rejection
+    /// sampling the sampled tokens stand (the tree rows' rounding changes the target's law by
+    /// far less than any test can see).
     pub fn redecode(&mut self, d: &Drafted, tail: &[usize], law: &Law) -> Result<(usize, Option<Token>)> {
         let seq = d.seq as i32;
         let pos0 = d.pos0 + d.tree.nodes[tail[0]].depth;
@@ -234,7 +263,7 @@ impl Check<'_> {
             self.batch.add_token(d.tree.nodes[node].token, (pos0 + i) as i32, &[seq], true)?;
         }
         self.target.decode(self.batch, "re-decode of an accepted branch")?;
-        let (kept, next) = match law.sampler.is_greedy() {
+        let (kept, next) = match law.verifier.matches(law.sampler.is_greedy()) {
             true => self.reverify(d, tail, law).map(|(kept, next)| (kept, Some(next)))?,
             false => (tail.len(), None),
         };
@@ -245,14 +274,15 @@ impl Check<'_> {
         Ok((kept, next))
     }
 
-    /// Greedy verification of a re-decoded `tail` on the rows of the last decode: how many of
-    /// its nodes the target confirms and its next token after them.
+    /// Matching of a re-decoded `tail` on the rows of the last decode: how many of its nodes
+    /// the target confirms and its next token after them.
     fn reverify(&mut self, d: &Drafted, tail: &[usize], law: &Law) -> Result<(usize, Token)> {
         let mut confirmed = (0, 0);
         for (row, &node) in tail.iter().enumerate() {
             fill_history(self.history, law.cached, d.last, &d.tree, node + 1, law.sampler.params());
             let state = d.states.node(law.grammar, node)?;
-            confirmed = (row + 1, constrained_argmax(law.sampler, self.target.logits(row)?, self.history, state));
+            let index = law.index(&d.tree, node + 1);
+            confirmed = (row + 1, own_token(law.sampler, self.target.logits(row)?, self.history, state, index));
             // (the last row always ends the loop: no node follows it)
             if tail.get(row + 1).map(|&child| d.tree.nodes[child].token) != Some(confirmed.1) {
                 break;

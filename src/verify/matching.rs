@@ -1,22 +1,23 @@
-//! Greedy (temperature 0) acceptance: keep drafted tokens while they equal the target's
-//! own argmax, which makes the output identical to plain greedy decoding.
+//! Acceptance by matching: keep drafted tokens while they equal the target's own token at that
+//! row (its argmax at temperature 0, its law sampled with that position's draw above), so the
+//! output is plain decoding's, token for token.
 
 use super::Accepted;
 use crate::draft::DraftTree;
 
-/// Walks the tree from the anchor: while the target's argmax at the current row is the
+/// Walks the tree from the anchor: while the target's own token at the current row is the
 /// token of a child, descend into that child (the first one in node order if siblings
-/// repeat a token). `target_argmax(row)` is the target's greedy token at verify-batch row
-/// `row` (0 = anchor, `i + 1` = node `i`); it is only called for rows on the accepted path.
-pub fn accept_greedy<E>(
+/// repeat a token). `target_token(row)` is the target's token at verify-batch row `row`
+/// (0 = anchor, `i + 1` = node `i`); it is only called for rows on the accepted path.
+pub fn accept_matching<E>(
     tree: &DraftTree,
-    mut target_argmax: impl FnMut(usize) -> Result<i32, E>,
+    mut target_token: impl FnMut(usize) -> Result<i32, E>,
 ) -> Result<Accepted, E> {
     let mut nodes = Vec::new();
     let mut current: Option<usize> = None;
     loop {
         let row = current.map_or(0, |node| node + 1);
-        let predicted = target_argmax(row)?;
+        let predicted = target_token(row)?;
         match tree.children(current).find(|&child| tree.nodes[child].token == predicted) {
             Some(child) => {
                 nodes.push(child);
@@ -34,7 +35,7 @@ mod tests {
     use std::cell::RefCell;
 
     fn walk(tree: &DraftTree, target_argmax: impl Fn(usize) -> i32) -> Accepted {
-        accept_greedy(tree, |row| Ok::<_, ()>(target_argmax(row))).unwrap()
+        accept_matching(tree, |row| Ok::<_, ()>(target_argmax(row))).unwrap()
     }
 
     fn node(token: i32, parent: Option<usize>, depth: usize) -> DraftNode {
