@@ -113,16 +113,11 @@ fn q4_1_kernel_rounds_every_logit_as_ggml_does() {
 #[test]
 fn q4_0x8_kernel_rounds_every_logit_as_ggml_does() {
     let built = vnni();
-    let q4_0 = common::scratch_dir("op-kernels-q4_0").join("SmolLM2-135M-Instruct.Q4_0.gguf");
-    if !q4_0.exists() {
-        let (_, q4_0_type) = dflash2::llama::QUANT_TYPES.into_iter().find(|(name, _)| *name == "q4_0").unwrap();
-        dflash2::llama::quantize(&common::real_model(common::SMOLLM2), &q4_0, q4_0_type, true, 2).unwrap();
-    }
-    let repacked_here = built && !dflash2::llama::system_info().contains("AMX_INT8 = 1"); // AMX CPUs hold Q4_0 in AMX tiles instead
+    let q4_0 = requantized(common::SMOLLM2, "q4_0", "SmolLM2-135M-Instruct.Q4_0.gguf");
     let before = OpKernel::Q4_0x8Rows.taken().unwrap_or(0);
     rounds_every_logit_of_targets_as_ggml_does(OpKernel::Q4_0x8Rows, built, &[q4_0], Reference::Batched);
     let taken = OpKernel::Q4_0x8Rows.taken().unwrap_or(0) - before;
-    assert_eq!(taken, if repacked_here { 30 * 7 } else { 0 }, "the kernel sits in front of {taken} weights");
+    assert_eq!(taken, if repacked_8x8_here() { 30 * 7 } else { 0 }, "the kernel sits in front of {taken} weights");
 }
 
 /// SmolLM2's output head (its tied token embeddings) and Qwen2.5-Coder's head and value projections
@@ -134,10 +129,21 @@ fn q8_0_kernel_rounds_every_logit_as_ggml_does() {
     rounds_every_logit_as_ggml_does(OpKernel::Q8_0Rows, built);
 }
 
-/// Whether ggml repacks K-quant weights into 8-column runs on this CPU (AVX2 CPUs without AMX, whose
-/// backend holds them otherwise) and dflash2's kernel for them is built (AVX512-VNNI).
-fn q4_k_repacked_here() -> bool {
+/// Whether ggml repacks Q4_0 and K-quant weights into 8-column runs on this CPU (AVX2 CPUs without
+/// AMX, whose backend holds them in its tiles instead) and dflash2's kernels for them are built
+/// (AVX512-VNNI).
+fn repacked_8x8_here() -> bool {
     vnni() && !dflash2::llama::system_info().contains("AMX_INT8 = 1")
+}
+
+/// `model` requantized to `kind` by `dflash2 quantize`, made once in the tests' scratch folder.
+fn requantized(model: &str, kind: &str, file: &str) -> std::path::PathBuf {
+    let out = common::scratch_dir(&format!("op-kernels-{kind}")).join(file);
+    if !out.exists() {
+        let (_, ftype) = dflash2::llama::QUANT_TYPES.into_iter().find(|(name, _)| *name == kind).unwrap();
+        dflash2::llama::quantize(&common::real_model(model), &out, ftype, true, 2).unwrap();
+    }
+    out
 }
 
 /// Qwen2.5-Coder-0.5B's Q4_K_M keeps its 24 ffn_down weights (4864 wide, its only width that is a
@@ -153,8 +159,8 @@ fn q4_kx8_kernel_rounds_every_logit_as_ggml_does() {
     let qwen = common::real_model(common::QWEN_05B); // SmolLM2 has no Q4_K weights
     rounds_every_logit_of_targets_as_ggml_does(OpKernel::Q4Kx8Rows, built, &[qwen.clone()], Reference::SingleRows);
     let taken = OpKernel::Q4Kx8Rows.taken().unwrap_or(0) - before;
-    assert_eq!(taken, if q4_k_repacked_here() { 12 } else { 0 }, "the kernel sits in front of {taken} weights");
-    if q4_k_repacked_here() {
+    assert_eq!(taken, if repacked_8x8_here() { 12 } else { 0 }, "the kernel sits in front of {taken} weights");
+    if repacked_8x8_here() {
         dflash2::llama::install_kernels();
         let params = common::engine_params(2, dflash2::llama::CacheType::F16);
         let (_, choice) = load_target(&qwen, 999, Repack::Auto, &params).unwrap();
@@ -169,11 +175,7 @@ fn q4_kx8_kernel_rounds_every_logit_as_ggml_does() {
 #[test]
 fn kquant_kernel_rounds_every_logit_as_ggml_does() {
     let built = vnni();
-    let q5_k_m = common::scratch_dir("op-kernels-q5_k_m").join("qwen2.5-coder-0.5b-instruct-q5_k_m.gguf");
-    if !q5_k_m.exists() {
-        let (_, q5_k_m_type) = dflash2::llama::QUANT_TYPES.into_iter().find(|(name, _)| *name == "q5_k_m").unwrap();
-        dflash2::llama::quantize(&common::real_model(common::QWEN_05B), &q5_k_m, q5_k_m_type, true, 2).unwrap();
-    }
+    let q5_k_m = requantized(common::QWEN_05B, "q5_k_m", "qwen2.5-coder-0.5b-instruct-q5_k_m.gguf");
     let types = dflash2::gguf::read_gguf(&q5_k_m).unwrap().weight_types();
     for kind in ["Q5_K", "Q6_K"] {
         assert!(types.iter().any(|w| w.type_name == kind), "the requantized file has no {kind} weights: {types:?}");

@@ -99,21 +99,17 @@ impl Model {
         // [`super::OpKernel::Q4Kx8Rows`], [`super::OpKernel::Q2Kx8Rows`]), rounding as ggml's
         // single-row gemv does.
         if params.repack {
-            let n = unsafe { shim::dflash2_model_q4_0x8_rows(ptr.as_ptr()) };
-            if n > 0 {
-                tracing::debug!("{shown}: {n} repacked Q4_0 weights take dflash2's several-row products");
-            }
-            let n = unsafe { shim::dflash2_model_q4_kx8_rows(ptr.as_ptr()) };
-            if n > 0 {
-                tracing::debug!("{shown}: {n} repacked Q4_K weights take dflash2's products");
-            }
-            let n = unsafe { shim::dflash2_model_iq4_nlx8_rows(ptr.as_ptr()) };
-            if n > 0 {
-                tracing::debug!("{shown}: {n} repacked IQ4_NL weights take dflash2's several-row products");
-            }
-            let n = unsafe { shim::dflash2_model_q2_kx8_rows(ptr.as_ptr()) };
-            if n > 0 {
-                tracing::debug!("{shown}: {n} repacked Q2_K weights take dflash2's products");
+            let fronts: [(unsafe extern "C" fn(*mut sys::llama_model) -> i32, &str); 4] = [
+                (shim::dflash2_model_q4_0x8_rows, "Q4_0"),
+                (shim::dflash2_model_q4_kx8_rows, "Q4_K"),
+                (shim::dflash2_model_iq4_nlx8_rows, "IQ4_NL"),
+                (shim::dflash2_model_q2_kx8_rows, "Q2_K"),
+            ];
+            for (put_in_front, kind) in fronts {
+                let n = unsafe { put_in_front(ptr.as_ptr()) };
+                if n > 0 {
+                    tracing::debug!("{shown}: {n} repacked {kind} weights take dflash2's products of several rows");
+                }
             }
         }
         Ok(Self { ptr, vocab, path: shown, repacked: params.repack, few_row_weights, n_gpu_layers: params.n_gpu_layers, owned: true, fixed_threads: Default::default(), verify_tolerance: Default::default() })
