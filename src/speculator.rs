@@ -399,7 +399,7 @@ impl Speculator {
         self.inject_below(i, pos)?;
         let room = self.target.n_ctx_per_seq().saturating_sub(pos + 1);
         let max_draft = (self.block - 1).min(room).min(max_len);
-        if max_draft == 0 || !arbiter::decode_pays(&mut self.cost, &[], self.adaptive) {
+        if max_draft == 0 || (self.adaptive && !self.cost.should_draft()) {
             return Ok(DraftTree::default());
         }
         // The engine's drafting step, for one sequence: the drafter's proposal and the arbiter's choice.
@@ -411,7 +411,9 @@ impl Speculator {
         let proposal = proposal.ok_or_else(|| SpecError::State("the drafter proposed nothing".into()))?;
         let proposals = [proposal];
         let choice = Choice { walk, adaptive: self.adaptive, matching: temperature <= 0.0, temperature };
-        let tree = arbiter::choose(&proposals, &choice, &self.cost, &mut self.drafting);
+        let mut tree = arbiter::choose(&proposals, &choice, &self.cost, &mut self.drafting);
+        let adaptive = arbiter::cuttable(&proposals, self.adaptive);
+        arbiter::settle(&self.cost, &mut [arbiter::Pending { tree: &mut tree, adaptive, credit: 0.0 }]);
         if self.adaptive {
             arbiter::chosen(&mut self.cost, &proposals, &tree, self.block);
         }

@@ -361,12 +361,5 @@ fn smollm2_quantized_target_k_cache_stays_lossless() {
 
 /// Held-apart HumanEval prompts (never trained on), by index.
 fn heldout_prompts(range: std::ops::Range<usize>) -> Vec<String> {
-    let heldout = common::real_model("humaneval-heldout.jsonl");
-    std::fs::read_to_string(heldout)
-        .unwrap()
-        .lines()
-        .skip(range.start)
-        .take(range.len())
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["prompt"].as_str().unwrap().to_string())
-        .collect()
+    common::prompt_set("humaneval-heldout.jsonl", range)
 }

@@ -689,6 +689,48 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
 /// Look-up drafting on a server without a drafter (`--lookup`, a fixed block so that every match
 /// is verified): it drafts from the context (the prompt repeats itself), a request can turn it
 /// off, and the answer is plain decoding's either way; under `--select none` only on request.
+/// Speculation under load (#49), on SmolLM2 with the shipped drafter: a verify row costs what it
+/// costs on this CPU, so as four slots fill, the batch's rows are shared (`draft::sharing`) and
+/// the drafting rate, from the server's own counters, falls well below what the same requests
+/// draft one at a time; every answer, alone or under load, equals plain decoding's.
+#[test]
+fn drafting_gives_way_as_the_slots_fill_and_every_answer_stays_plain_decodings() {
+    let target = common::real_model(common::SMOLLM2);
+    let (target, drafter) = (target.to_str().unwrap(), common::shipped_drafter());
+    let spec = Server::start_with("sharing-spec", target, &["-d", drafter.to_str().unwrap(), "--parallel", "4"]);
+    let plain = Server::start_with("sharing-plain", target, &["--select", "none", "--no-lookup"]);
+    // Code-editing prompts: the look-up drafts much of their answers when a slot is alone.
+    let prompts = common::prompt_set("edit-heldout.jsonl", 0..8);
+    let body = |p: &String| json!({ "prompt": format!("<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n"), "n_predict": 64, "temperature": 0 });
+    let rate = |answers: &mut Vec<String>, concurrent: bool| {
+        let (drafted, generated) = (spec.metric("draft_tokens_total"), spec.metric("tokens_predicted_total"));
+        *answers = if concurrent {
+            std::thread::scope(|s| {
+                let asks: Vec<_> = prompts.iter().map(|p| s.spawn(|| spec.post_ok("/completion", body(p)))).collect();
+                asks.into_iter().map(|a| a.join().unwrap()["content"].as_str().unwrap().to_string()).collect()
+            })
+        } else {
+            prompts.iter().map(|p| spec.post_ok("/completion", body(p))["content"].as_str().unwrap().to_string()).collect()
+        };
+        (spec.metric("draft_tokens_total") - drafted) / (spec.metric("tokens_predicted_total") - generated)
+    };
+    let (mut alone, mut together) = (Vec::new(), Vec::new());
+    let rate_alone = rate(&mut alone, false);
+    let rate_together = rate(&mut together, true);
+    eprintln!("drafted tokens per generated token: alone {rate_alone:.2}, four slots busy {rate_together:.2}");
+    for (i, p) in prompts.iter().enumerate() {
+        let want = plain.post_ok("/completion", body(p))["content"].as_str().unwrap().to_string();
+        assert_eq!(alone[i], want, "prompt {i} alone differs from plain decoding");
+        assert_eq!(together[i], want, "prompt {i} under load differs from plain decoding");
+    }
+    assert!(rate_alone > 0.3, "alone the defaults drafted {rate_alone:.2} tokens per token: nothing to give way");
+    assert!(
+        rate_together < 0.6 * rate_alone,
+        "with four slots busy the defaults drafted {rate_together:.2} tokens per token, alone {rate_alone:.2}"
+    );
+    spec.wait_idle();
+}
+
 #[test]
 fn lookup_drafts_from_the_context_and_keeps_the_answer() {
     let server = Server::start("lookup", &["--lookup", "--block", "4"]);

@@ -2,6 +2,7 @@
 //! target verifies, chosen (or merged) from what the sources proposed, its length set by the
 //! cost model. It reasons about the shapes of proposals ([`Draft`]), never about who made them.
 use super::cost::CostModel;
+use super::sharing::{self, Share};
 use super::select::{self, proposal, Greedy, Selector, Walk};
 use super::source::{Draft, Proposal};
 use super::{DraftTree, Origin};
@@ -21,21 +22,20 @@ pub struct Choice {
     pub temperature: f32,
 }
 
-/// Whether the sources that cost a drafter decode draft this cycle, given the proposals of the
-/// free sources in hand: not where those are expected to be taken at least as far as the
-/// drafter's drafts have been lately (the call is saved), nor, for an adaptive length, while
-/// drafting does not pay (the cost model probes it now and then).
-pub fn decode_pays(cost: &mut CostModel, free: &[Proposal], adaptive: bool) -> bool {
+/// Whether the sources that cost a drafter decode are worth one for a sequence, given the
+/// proposals of the free sources in hand: not where those are expected to be taken at least as
+/// far as the drafter's drafts have been lately (the call is saved). For an adaptive length the
+/// cost model has the last word, once per cycle ([`CostModel::should_draft`]).
+pub fn decode_pays(cost: &CostModel, free: &[Proposal]) -> bool {
     let expected = free.iter().filter_map(|p| path(&p.draft)).map(|t| cost.expected_accepted(t)).fold(0.0, f64::max);
-    !(expected > 0.0 && expected >= cost.drafter_expected()) && (!adaptive || cost.should_draft())
+    !(expected > 0.0 && expected >= cost.drafter_expected())
 }
 
 /// The draft of one sequence from its proposals: a fixed draft as it comes; else, verified by
 /// matching, the law's walk merged with the one-hot trees (a tree) or the likeliest of the
 /// paths, and by rejection sampling either the one-hot path or a draw from the law, picked before anything is drawn
-/// (rejection sampling needs the law's draft drawn from q whatever else happens). An adaptive
-/// length keeps the prefix the cost model expects to pay best (0: a plain step). Nodes come
-/// depth-first, as the verify batch lays them out.
+/// (rejection sampling needs the law's draft drawn from q whatever else happens). Nodes come
+/// best first: [`settle`] cuts the batch's adaptive lengths and lays each draft out.
 pub fn choose(proposals: &[Proposal], c: &Choice, cost: &CostModel, rng: &mut impl Rng) -> DraftTree {
     let fixed = proposals.iter().find_map(|p| match &p.draft {
         Draft::Fixed(t) if !t.is_empty() => Some(t),
@@ -51,11 +51,8 @@ pub fn choose(proposals: &[Proposal], c: &Choice, cost: &CostModel, rng: &mut im
         Draft::Estimates { path, .. } => Some(path),
         _ => None,
     });
-    let mut tree = match law {
-        None => match estimates.reduce(|a, b| likelier(cost, a, b, c)) {
-            Some(t) => t.clone(),
-            None => return DraftTree::default(),
-        },
+    match law {
+        None => estimates.reduce(|a, b| likelier(cost, a, b, c)).cloned().unwrap_or_default(),
         Some(lattice) if c.matching => {
             let walked = select::draft(lattice, c.walk, 0.0, rng);
             match c.walk {
@@ -70,15 +67,39 @@ pub fn choose(proposals: &[Proposal], c: &Choice, cost: &CostModel, rng: &mut im
                 _ => select::draft(lattice, c.walk, c.temperature, rng),
             }
         }
-    };
-    if c.adaptive {
-        // Prefixes of best-first order are valid drafts; 0 means a plain step.
-        tree.nodes.truncate(cost.choose_len(&tree.gains(), &tree));
     }
-    if tree.is_chain() {
-        tree
-    } else {
-        tree.depth_first()
+}
+
+/// Whether the cost model may cut a draft chosen from `proposals` for a run whose length is
+/// `adaptive`: not a fixed draft (llama.cpp's drivers size their own).
+pub fn cuttable(proposals: &[Proposal], adaptive: bool) -> bool {
+    adaptive && !proposals.iter().any(|p| matches!(&p.draft, Draft::Fixed(t) if !t.is_empty()))
+}
+
+/// One run's chosen draft in a cycle's verify batch, before the batch's lengths are settled.
+pub struct Pending<'a> {
+    /// Best first, as [`choose`] returns it.
+    pub tree: &'a mut DraftTree,
+    /// Its length follows the cost model.
+    pub adaptive: bool,
+    /// Tokens the run is ahead of plain decoding (`draft::sharing`).
+    pub credit: f64,
+}
+
+/// Settle the drafts of every run in one verify batch: adaptive lengths are chosen together
+/// (`draft::sharing`: the prefixes with the most expected tokens per millisecond of the shared
+/// decode that slow no run below plain decoding; 0 means a plain step), then each draft is laid
+/// depth-first, as the verify batch lays it out.
+pub fn settle(cost: &CostModel, drafts: &mut [Pending]) {
+    if drafts.iter().any(|d| d.adaptive) {
+        let shares: Vec<Share> =
+            drafts.iter().map(|d| Share { gains: cost.node_gains(d.tree), adaptive: d.adaptive, credit: d.credit }).collect();
+        for (d, len) in drafts.iter_mut().zip(sharing::allot(cost, &shares).lengths) {
+            d.tree.nodes.truncate(len);
+        }
+    }
+    for d in drafts.iter_mut().filter(|d| !d.tree.is_chain()) {
+        *d.tree = d.tree.depth_first();
     }
 }
 
@@ -95,7 +116,7 @@ fn likelier<'a>(cost: &CostModel, a: &'a DraftTree, b: &'a DraftTree, c: &Choice
 /// otherwise.
 fn score(cost: &CostModel, t: &DraftTree, c: &Choice) -> f64 {
     if c.adaptive {
-        cost.best_len(&t.gains(), t).1
+        cost.best_len(t).1
     } else {
         cost.expected_accepted(t)
     }

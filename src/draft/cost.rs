@@ -6,6 +6,7 @@
 //! decodes; the acceptance the lattice predicts is calibrated against what the target
 //! actually accepts; and when drafting stops paying, the engine decodes plainly and
 //! only probes the drafter now and then.
+use super::sharing::{self, Share};
 use super::{DraftTree, Origin};
 use crate::llama::{Batch, Context, Result, Token};
 use std::time::Instant;
@@ -148,33 +149,21 @@ impl CostModel {
     /// Drafted tokens the target is expected to take from `tree` (its path
     /// probabilities, calibrated).
     pub fn expected_accepted(&self, tree: &DraftTree) -> f64 {
-        let gains = tree.gains();
-        gains.iter().enumerate().map(|(k, &g)| self.node_gain(tree, k, g)).sum()
+        self.node_gains(tree).iter().sum()
     }
 
-    /// How many draft nodes to verify (0 = none: a plain step). `gains[i]` is node i's
-    /// path probability (for a path: the chance it is accepted at least to depth i+1);
-    /// nodes come best-first, parents first, so any prefix is a valid draft. The draft
-    /// itself is already paid for: this maximises tokens per verify time.
-    pub fn choose_len(&self, gains: &[f32], tree: &DraftTree) -> usize {
-        self.best_len(gains, tree).0
+    /// Expected tokens each node of `tree` adds: its path probability, calibrated.
+    pub fn node_gains(&self, tree: &DraftTree) -> Vec<f64> {
+        tree.gains().iter().enumerate().map(|(k, &g)| self.node_gain(tree, k, g)).collect()
     }
 
-    /// [`CostModel::choose_len`] and the tokens per millisecond of verify it expects
-    /// (infinite before any cost is measured).
-    pub fn best_len(&self, gains: &[f32], tree: &DraftTree) -> (usize, f64) {
-        let Some(plain) = self.verify_cost(1) else { return (gains.len(), f64::INFINITY) };
-        let mut best = (0, 1.0 / plain);
-        let mut expected = 1.0;
-        for (k, &p) in gains.iter().enumerate() {
-            expected += self.node_gain(tree, k, p);
-            let Some(cost) = self.verify_cost(k + 2) else { break };
-            let rate = expected / cost;
-            if rate > best.1 {
-                best = (k + 1, rate);
-            }
-        }
-        best
+    /// How many nodes of `tree` (best first, parents first: any prefix is a valid draft) a run
+    /// verifying alone should verify (0: a plain step), and the tokens per millisecond of
+    /// verify it expects (infinite before any cost is measured). The draft itself is already
+    /// paid for: this maximises tokens per verify time. (Several runs: [`super::sharing`].)
+    pub fn best_len(&self, tree: &DraftTree) -> (usize, f64) {
+        let a = sharing::allot(self, &[Share { gains: self.node_gains(tree), adaptive: true, credit: 0.0 }]);
+        (a.lengths[0], a.rate)
     }
 
     /// Record how many drafted tokens the target took after a drafter call.
@@ -285,20 +274,18 @@ mod tests {
         assert_eq!(m.verify_cost(16), Some(80.0));
     }
 
-    /// Path probabilities of a chain whose per-step acceptance is `steps`.
+    /// A chain whose per-step acceptance is `steps`, and its path probabilities.
     fn chain(steps: &[f32]) -> (Vec<f32>, DraftTree) {
-        let mut gains = Vec::new();
-        let mut p = 1.0;
-        for &s in steps {
-            p *= s;
-            gains.push(p);
+        let mut tree = DraftTree::chain(&vec![0; steps.len()]);
+        for (n, &q) in tree.nodes.iter_mut().zip(steps) {
+            n.q = q;
         }
-        (gains, DraftTree::chain(&vec![0; steps.len()]))
+        (tree.gains(), tree)
     }
 
     fn choose(m: &CostModel, steps: &[f32]) -> usize {
-        let (gains, tree) = chain(steps);
-        m.choose_len(&gains, &tree)
+        let (_, tree) = chain(steps);
+        m.best_len(&tree).0
     }
 
     #[test]

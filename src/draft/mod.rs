@@ -6,7 +6,8 @@
 //! selection strategy (`select`) turns it into a [`DraftTree`] (a single path is a tree
 //! whose nodes each have one child) that the target verifies in one decode. The context
 //! look-up proposes what followed earlier occurrences of the last tokens; llama.cpp's own
-//! drivers propose their drafts as they are.
+//! drivers propose their drafts as they are. With several slots busy, `sharing` sizes the drafts of
+//! one verify batch together.
 
 pub mod arbiter;
 pub mod config;
@@ -16,6 +17,7 @@ pub mod drafter;
 pub mod lattice;
 pub mod lookup;
 pub mod select;
+pub mod sharing;
 pub mod source;
 pub mod tree;
 pub mod upstream;

@@ -2,7 +2,7 @@
 //! back. All runs draft in one call per source and verify in one target decode.
 use super::report::{ms_since, Cycle, Probs};
 use super::{Engine, EngineError, Result, Run};
-use crate::draft::arbiter::{self, Choice};
+use crate::draft::arbiter::{self, Choice, Pending};
 use crate::draft::source::{Outcome, Proposal, Request};
 use crate::llama::Token;
 use crate::sampling::TokenProb;
@@ -44,14 +44,13 @@ impl Engine {
         let mut cycle = Cycle::start();
         self.draft(&mut plans, runs)?;
         cycle.drafted();
-        for p in plans.iter_mut() {
-            self.select(p, runs[p.run]);
-        }
+        self.select(&mut plans, runs);
         let mut check = Check { target: &mut self.target, batch: &mut self.batch, history: &mut self.history, n_seqs: self.cached.len() };
         check.layout(plans.iter_mut().map(|p| &mut p.draft))?;
         cycle.laid_out();
         self.target.decode(&self.batch, "verify")?;
-        cycle.verified(&mut self.cost, self.batch.len());
+        let drafted = self.batch.len() > plans.len() || plans.iter().any(|p| p.proposals.iter().any(|q| q.calls > 0));
+        cycle.verified(&mut self.cost, self.batch.len(), drafted.then_some(plans.len()));
         for p in &plans {
             let (t, run) = (Instant::now(), &mut *runs[p.run]);
             let verify_before = run.stats.verify_ms;
@@ -94,12 +93,17 @@ impl Engine {
     fn draft(&mut self, plans: &mut [Plan], runs: &mut [&mut Run]) -> Result<()> {
         let trees = self.cached.len() == 1;
         let mut asked = vec![false; plans.len()];
+        // The cost model's verdict on the drafter for adaptive lengths, asked once a cycle.
+        let mut pays = None;
         for decoding in [false, true] {
             if decoding {
                 for (p, ask) in plans.iter().zip(asked.iter_mut()) {
                     let run = &*runs[p.run];
                     let decodes = run.sources.iter().any(|&id| self.sources.decodes(id));
-                    *ask = p.max_draft > 0 && decodes && arbiter::decode_pays(&mut self.cost, &p.proposals, run.adaptive);
+                    *ask = p.max_draft > 0
+                        && decodes
+                        && arbiter::decode_pays(&self.cost, &p.proposals)
+                        && (!run.adaptive || *pays.get_or_insert_with(|| self.cost.should_draft()));
                 }
             }
             let ids: std::collections::BTreeSet<usize> = runs.iter().flat_map(|r| r.sources.iter().copied()).collect();
@@ -126,17 +130,30 @@ impl Engine {
         Ok(())
     }
 
-    /// The one draft of `p` from its proposals (`draft::arbiter`), cut where a grammar forbids.
-    fn select(&mut self, p: &mut Plan, run: &mut Run) {
-        let d = &run.opts.draft;
-        let walk = d.select.walk(self.cached.len() == 1, d.tree_budget);
-        let temperature = run.sampler.params().temperature;
-        let choice = Choice { walk, adaptive: run.adaptive, matching: run.matching(), temperature };
-        let mut tree = arbiter::choose(&p.proposals, &choice, &self.cost, run.sampler.drafting());
-        p.draft.states = States::follow(&mut tree, run.grammar.as_ref(), choice.matching);
-        p.draft.tree = tree;
-        if run.adaptive {
-            arbiter::chosen(&mut self.cost, &p.proposals, &p.draft.tree, run.block);
+    /// Every plan's one draft from its proposals (`draft::arbiter`), the adaptive lengths settled
+    /// together for the batch they share, each cut where a grammar forbids.
+    fn select(&mut self, plans: &mut [Plan], runs: &mut [&mut Run]) {
+        let trees = self.cached.len() == 1;
+        let mut cuttable = Vec::with_capacity(plans.len());
+        for p in plans.iter_mut() {
+            let run = &mut *runs[p.run];
+            let d = &run.opts.draft;
+            let choice = Choice { walk: d.select.walk(trees, d.tree_budget), adaptive: run.adaptive, matching: run.matching(), temperature: run.sampler.params().temperature };
+            p.draft.tree = arbiter::choose(&p.proposals, &choice, &self.cost, run.sampler.drafting());
+            cuttable.push(arbiter::cuttable(&p.proposals, run.adaptive));
+        }
+        let mut pending: Vec<Pending> = plans
+            .iter_mut()
+            .zip(cuttable)
+            .map(|(p, adaptive)| Pending { tree: &mut p.draft.tree, adaptive, credit: runs[p.run].credit })
+            .collect();
+        arbiter::settle(&self.cost, &mut pending);
+        for p in plans.iter_mut() {
+            let run = &*runs[p.run];
+            p.draft.states = States::follow(&mut p.draft.tree, run.grammar.as_ref(), run.matching());
+            if run.adaptive {
+                arbiter::chosen(&mut self.cost, &p.proposals, &p.draft.tree, run.block);
+            }
         }
     }
 

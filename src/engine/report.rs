@@ -28,8 +28,9 @@ impl PromptProgress {
 }
 
 /// One cycle's clock and the tokens it owes to the drafter call: every run is charged the
-/// cycle's draft and verify time and its own host time; the cost model weighs the cycle
-/// against plain decoding where a drafter call it judges was made.
+/// cycle's draft and verify time and its own host time, and, where the cycle drafted, what it
+/// got against a plain step's share (its credit, `draft::sharing`); the cost model weighs the
+/// cycle against plain decoding where a drafter call it judges was made.
 pub(super) struct Cycle {
     t0: Instant,
     mark: Instant,
@@ -40,12 +41,14 @@ pub(super) struct Cycle {
     credited: usize,
     judged: bool,
     n_runs: usize,
+    /// A plain step of the cycle's runs, where the cycle did more (a drafter decode or drafted rows).
+    plain_ms: Option<f64>,
 }
 
 impl Cycle {
     pub fn start() -> Self {
         let now = Instant::now();
-        Self { t0: now, mark: now, draft_ms: 0.0, host_ms: 0.0, verify_ms: 0.0, credited: 0, judged: false, n_runs: 0 }
+        Self { t0: now, mark: now, draft_ms: 0.0, host_ms: 0.0, verify_ms: 0.0, credited: 0, judged: false, n_runs: 0, plain_ms: None }
     }
 
     fn lap(&mut self) -> f64 {
@@ -63,9 +66,12 @@ impl Cycle {
         self.host_ms = self.lap();
     }
 
-    pub fn verified(&mut self, cost: &mut CostModel, batch: usize) {
+    /// The verify decode of `batch` rows is done; `plain`: the number of runs in it, where the
+    /// cycle drafted (a plain cycle leaves every run's credit as it is).
+    pub fn verified(&mut self, cost: &mut CostModel, batch: usize, plain: Option<usize>) {
         self.verify_ms = self.lap();
         cost.record_verify(batch, self.verify_ms);
+        self.plain_ms = plain.and_then(|n| cost.verify_cost(n));
     }
 
     /// One run's share, once its tokens are committed: `committed` tokens (`free` of them from
@@ -78,6 +84,11 @@ impl Cycle {
         // A draft that was not worth verifying still cost a drafter call.
         self.judged |= judged;
         self.n_runs += 1;
+        if let Some(plain) = self.plain_ms {
+            // A debt is not carried: a drafter call that did not pay would otherwise stop every
+            // draft of the batch until the run won it back.
+            run.credit = (run.credit + committed as f64 - (self.draft_ms + self.host_ms + self.verify_ms) / plain).max(0.0);
+        }
         let s = &mut run.stats;
         s.draft_ms += self.draft_ms;
         s.verify_ms += self.verify_ms;

@@ -56,6 +56,9 @@ pub struct Run {
     t_end: Option<Instant>,
     /// The next cycle decodes `next` alone: a batch row left its choice too close to call.
     pub(super) single_next: bool,
+    /// Tokens it got beyond what plain decoding would have given it in the time of the cycles
+    /// that drafted (`draft::sharing`: what it may lose to other runs' drafts).
+    pub(super) credit: f64,
 }
 
 impl Run {
@@ -76,6 +79,7 @@ impl Run {
             t_start,
             t_end: None,
             single_next: false,
+            credit: 0.0,
         }
     }
 

@@ -20,6 +20,18 @@ pub fn real_model(file: &str) -> PathBuf {
     p
 }
 
+/// Prompts of a set `fetch-models.sh` put beside the models (`humaneval-heldout.jsonl`,
+/// `edit-heldout.jsonl`), by index.
+pub fn prompt_set(file: &str, range: std::ops::Range<usize>) -> Vec<String> {
+    std::fs::read_to_string(real_model(file))
+        .unwrap()
+        .lines()
+        .skip(range.start)
+        .take(range.len())
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["prompt"].as_str().unwrap().to_string())
+        .collect()
+}
+
 /// The shipped SmolLM2 DFlash 2 drafter.
 pub fn shipped_drafter() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("gguf-drafters/smollm2-135m-instruct.dflash2.gguf")
