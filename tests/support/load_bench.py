@@ -4,7 +4,8 @@ for llama-server, `dflash2 serve` with its defaults and `dflash2 serve` decoding
 
 At each load L every server is started with `-np L` (all three at once, idle while the others are
 measured), then, per prompt set and round, each server in turn (the order reversed every other round)
-gets `--requests` /completion requests (ChatML prompt, greedy, `-n` tokens) from L concurrent clients.
+gets `--requests` /completion requests (ChatML prompt, greedy, `-n` tokens; each round the set's next
+prompts) from L concurrent clients.
 Prints per load: the median over rounds of aggregate tok/s, the median and p95 of request latency
 (pooled over rounds), the ratios of the defaults against plain decoding and llama-server, how many of
 the defaults' texts equal plain decoding's, and the defaults' drafted tokens per generated token
@@ -39,9 +40,10 @@ def counters(url):
 
 
 def cell(url, prompts, clients, n):
-    """`prompts` sent by `clients` concurrent clients: (wall seconds, [(index, latency s, tokens, text)])."""
+    """`prompts` ((index, text) pairs) sent by `clients` concurrent clients: (wall seconds,
+    [(index, latency s, tokens, text)])."""
     todo = queue.Queue()
-    for i, p in enumerate(prompts):
+    for i, p in prompts:
         todo.put((i, p))
     done, lock = [], threading.Lock()
 
@@ -93,7 +95,7 @@ def main():
     sets = {}
     for spec in a.prompts:
         name, path = spec.split("=", 1)
-        sets[name] = [json.loads(l)["prompt"] for l in open(path) if l.strip()][: a.requests]
+        sets[name] = [json.loads(l)["prompt"] for l in open(path) if l.strip()]
     drafter = ["-d", a.drafter] if a.drafter else []
     results = []
     for load in [int(x) for x in a.loads.split(",")]:
@@ -112,16 +114,19 @@ def main():
             for s, cmd in cmds.items():
                 procs.append(start(cmd, urls[s]))
             for s in cmds:  # warm-up: graphs, the cost model's first calibration
-                cell(urls[s], next(iter(sets.values()))[:1], 1, 16)
+                cell(urls[s], [(-1, "Say hello.")], 1, 16)
             for name, prompts in sets.items():
                 agg = {s: [] for s in cmds}
                 lat = {s: [] for s in cmds}
                 texts = {s: {} for s in cmds}
                 before = counters(urls["defaults"])
                 for r in range(a.rounds):
+                    # Each round its own prompts (the set's next ones, wrapping): a server that keeps
+                    # earlier prompts in RAM (llama-server's prompt cache) must not gain by it.
+                    batch = [((r * a.requests + i) % len(prompts), prompts[(r * a.requests + i) % len(prompts)]) for i in range(a.requests)]
                     order = list(cmds) if r % 2 == 0 else list(reversed(cmds))
                     for s in order:
-                        wall, done = cell(urls[s], prompts, load, a.n)
+                        wall, done = cell(urls[s], batch, load, a.n)
                         agg[s].append(sum(d[2] for d in done) / wall)
                         lat[s] += [d[1] for d in done]
                         for i, _, _, text in done:
@@ -130,7 +135,7 @@ def main():
                 generated = after["dflash2_tokens_predicted_total"] - before["dflash2_tokens_predicted_total"]
                 drafted = after["dflash2_draft_tokens_total"] - before["dflash2_draft_tokens_total"]
                 row = {
-                    "load": load, "prompts": name, "requests": len(prompts), "rounds": a.rounds,
+                    "load": load, "prompts": name, "requests": a.requests, "rounds": a.rounds,
                     "tok_s": {s: statistics.median(v) for s, v in agg.items()},
                     "tok_s_rounds": agg,
                     "latency_median_s": {s: statistics.median(v) for s, v in lat.items()},
@@ -145,7 +150,7 @@ def main():
                 print(f"{name} load {load}: tok/s llama-server {t['llama-server']:.1f} plain {t['plain']:.1f} defaults {t['defaults']:.1f}"
                       f" | defaults/plain {t['defaults'] / t['plain']:.3f} defaults/llama-server {t['defaults'] / t['llama-server']:.3f}"
                       f" | latency median/p95 s: " + " ".join(f"{s} {row['latency_median_s'][s]:.2f}/{row['latency_p95_s'][s]:.2f}" for s in cmds)
-                      + f" | equal {row['equal_to_plain']}/{len(prompts)} | drafted/token {row['drafted_per_token']:.2f}" + (f" | defaults against{others}" if others else ""), flush=True)
+                      + f" | equal {row['equal_to_plain']}/{len(texts['plain'])} | drafted/token {row['drafted_per_token']:.2f}" + (f" | defaults against{others}" if others else ""), flush=True)
         finally:
             for p in procs:
                 stop(p)
