@@ -1,6 +1,7 @@
 //! `dflash2 serve`: the HTTP server (OpenAI and llama-server endpoints).
 use crate::draft::config::SelectMode;
 use crate::server::metrics::Metrics;
+use crate::server::reasoning::{ReasoningFormat, Thinking};
 use crate::server::scheduler::Scheduler;
 use crate::server::{self, AppState, Defaults};
 use std::io::Write;
@@ -70,6 +71,16 @@ pub struct ServeArgs {
     /// Connections served at once; further ones wait to be accepted.
     #[arg(long = "max-connections", default_value_t = 512)]
     pub max_connections: usize,
+    /// Where a chat answer's thinking goes (llama-server's): `deepseek` or `auto` split it into
+    /// `reasoning_content` (streamed as `delta.reasoning_content`); `deepseek-legacy` does too,
+    /// but streams it inline in `content`; `none` leaves it in `content`, tags included. A
+    /// request's `reasoning_format` chooses for itself.
+    #[arg(long = "reasoning-format", value_enum, default_value_t = ReasoningFormat::Auto)]
+    pub reasoning_format: ReasoningFormat,
+    /// Whether the model thinks (`-rea`, llama-server's): the chat template's `enable_thinking`
+    /// (`auto`: true, the template decides). A request's `chat_template_kwargs` may set it.
+    #[arg(long = "reasoning", value_enum, default_value_t = Thinking::Auto)]
+    pub reasoning: Thinking,
     /// Block, selection and tree budget of requests that do not set them.
     #[command(flatten)]
     pub draft: super::DraftArgs,
@@ -144,6 +155,8 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
             verifier: args.sampling.spec_sampling,
             n_predict: usize::try_from(args.n_predict).ok(),
             max_prompt_tokens: Some(args.max_prompt_tokens).filter(|&n| n > 0),
+            reasoning_format: args.reasoning_format,
+            thinking: args.reasoning,
         },
         template,
         slots_endpoint: !args.no_slots,

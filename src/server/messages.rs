@@ -5,6 +5,7 @@
 //! (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`).
 use super::errors::ApiError;
 use super::reply::stopping_word;
+use super::reasoning::Ask;
 use super::routes::{chat_prompt, collect, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
@@ -49,7 +50,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     if let Some(t) = &tools {
         t.constrain(&mut opts)?;
     }
-    let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
+    let (prompt, _) = chat_prompt(&s, conversation, tools.as_ref(), true, &Ask::of(&s, None, None)?.prompt_only()).await?;
     let n_prompt = prompt.len();
     let stops = opts.stop.clone();
     let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;
@@ -70,7 +71,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
 /// `POST /v1/messages/count_tokens`: how many prompt tokens a Messages request would decode.
 pub async fn count_tokens(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Json<Value>, ApiError> {
     let (conversation, tools) = chat_request(&s, &req)?;
-    let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
+    let (prompt, _) = chat_prompt(&s, conversation, tools.as_ref(), true, &Ask::of(&s, None, None)?.prompt_only()).await?;
     Ok(Json(json!({ "input_tokens": prompt.len() })))
 }
 

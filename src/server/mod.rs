@@ -11,6 +11,7 @@ pub mod logprobs;
 pub mod messages;
 pub mod metrics;
 pub mod prompt;
+pub mod reasoning;
 pub mod reply;
 pub mod responses;
 pub mod routes;
@@ -43,6 +44,10 @@ pub struct Defaults {
     pub n_predict: Option<usize>,
     /// Longest prompt a request may send, in tokens (`--max-prompt-tokens`; None: the slot's context).
     pub max_prompt_tokens: Option<usize>,
+    /// Where a chat answer's reasoning goes (`--reasoning-format`; a request's `reasoning_format`).
+    pub reasoning_format: reasoning::ReasoningFormat,
+    /// The template's `enable_thinking` (`-rea`; a request's `chat_template_kwargs`).
+    pub thinking: reasoning::Thinking,
 }
 
 /// Everything the handlers share.

@@ -6,6 +6,7 @@
 //! Nothing is stored: a conversation is sent whole, never by `previous_response_id`.
 use super::errors::ApiError;
 use super::reply::now;
+use super::reasoning::Ask;
 use super::routes::{chat_prompt, collect, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
@@ -48,7 +49,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
     if let Some(t) = &tools {
         t.constrain(&mut opts)?;
     }
-    let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
+    let (prompt, _) = chat_prompt(&s, messages, tools.as_ref(), true, &Ask::of(&s, None, None)?.prompt_only()).await?;
     let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
@@ -71,7 +72,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
 /// request's body would decode.
 pub async fn input_tokens(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<ResponsesRequest>) -> Result<Json<InputTokens>, ApiError> {
     let (messages, tools) = chat_request(&s, &req)?;
-    let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
+    let (prompt, _) = chat_prompt(&s, messages, tools.as_ref(), true, &Ask::of(&s, None, None)?.prompt_only()).await?;
     Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
 }
 

@@ -98,6 +98,10 @@ pub struct ChatRequest {
     /// vLLM's and transformers' name for continuing a final assistant message (which a
     /// conversation ending with one asks for anyway, as in llama-server).
     pub continue_final_message: Option<bool>,
+    /// Further template variables (Qwen3's `enable_thinking`), checked by `reasoning::Ask`.
+    pub chat_template_kwargs: Option<serde_json::Value>,
+    /// Where the answer's reasoning goes: `none`, `deepseek`, `deepseek-legacy` or `auto`.
+    pub reasoning_format: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -395,6 +399,9 @@ pub struct ChatMessageOut {
     /// that only called tools) or text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<Option<String>>,
+    /// The answer's thinking, split out of its content (llama-server's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallOut>>,
 }
