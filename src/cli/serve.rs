@@ -61,6 +61,9 @@ pub struct ServeArgs {
     /// of localhost, 127.0.0.1 and [::1]. Default: every origin (the request's is mirrored).
     #[arg(long = "cors-origins", value_delimiter = ',')]
     pub cors_origins: Vec<String>,
+    /// Leave out the chat page at `/` (llama-server's `--no-webui`).
+    #[arg(long = "no-webui")]
+    pub no_webui: bool,
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long = "max-body", default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -162,6 +165,7 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
         slots_endpoint: !args.no_slots,
         verbose: args.verbose,
         cors_origins: args.cors_origins.clone(),
+        webui: !args.no_webui,
     });
     anyhow::ensure!(
         args.read_timeout.is_finite() && args.read_timeout > 0.0,

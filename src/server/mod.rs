@@ -72,6 +72,8 @@ pub struct AppState {
     pub verbose: bool,
     /// `--cors-origins`: the origins browsers may call from (empty: any).
     pub cors_origins: Vec<String>,
+    /// The chat page at `/` (`--no-webui` leaves it out, as llama-server).
+    pub webui: bool,
 }
 
 impl AppState {
@@ -107,6 +109,8 @@ pub struct BodyTimeout(pub Duration);
 /// The routes; everything but `/health` needs the API key when one is set.
 pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
     let body_timeout = BodyTimeout(limits.read_timeout);
+    // The chat page asks for the API key itself: it is served without one, as llama-server's.
+    let page = if state.webui { Router::new().route("/", get(routes::webui)) } else { Router::new() };
     // llama-server answers its OpenAI routes with and without the `/v1` prefix; so do we.
     Router::new()
         .route("/v1/models", get(routes::models))
@@ -139,6 +143,7 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/embedding", post(routes::not_supported))
         .route("/v1/rerank", post(routes::not_supported))
         .route("/rerank", post(routes::not_supported))
+        .merge(page)
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))

@@ -94,6 +94,11 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// `GET /`: the chat page, one file built into the binary.
+pub async fn webui() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("webui.html"))
+}
+
 pub async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }

@@ -262,6 +262,10 @@ pub struct Timings {
     pub predicted_per_second: f64,
     pub draft_n: usize,
     pub draft_n_accepted: usize,
+    /// Of the drafted tokens accepted, those the drafter drafted and those look-up read off the
+    /// context (this server's; the chat page shows them).
+    pub draft_n_accepted_drafter: usize,
+    pub draft_n_accepted_lookup: usize,
     /// Mean tokens committed per target verify.
     pub tau: f64,
     pub cycles: usize,
@@ -283,6 +287,8 @@ impl Timings {
             predicted_per_second: 0.0,
             draft_n: 0,
             draft_n_accepted: 0,
+            draft_n_accepted_drafter: 0,
+            draft_n_accepted_lookup: 0,
             tau: 0.0,
             cycles: 0,
         }
@@ -307,6 +313,8 @@ impl From<&Stats> for Timings {
             predicted_per_second: s.tokens_per_second(),
             draft_n: s.n_drafted,
             draft_n_accepted: s.n_draft_accepted,
+            draft_n_accepted_drafter: s.from_drafter.accepted,
+            draft_n_accepted_lookup: s.from_lookup.accepted,
             tau: s.tau(),
             cycles: s.cycles,
         }
