@@ -204,3 +204,57 @@ fn minijinja_renders_the_prompt_llama_cpp_renders() {
         }
     }
 }
+
+/// Server-sent events of a streamed POST: (event name, data).
+fn events(server: &common::Server, path: &str, mut body: Value) -> Vec<(String, Value)> {
+    body["stream"] = json!(true);
+    let (code, text) = post(server, path, &body);
+    assert_eq!(code, 200, "{text}");
+    text.split("\n\n")
+        .filter_map(|e| {
+            let name = e.lines().find_map(|l| l.strip_prefix("event: "))?;
+            let data = e.lines().find_map(|l| l.strip_prefix("data: "))?;
+            Some((name.to_string(), serde_json::from_str(data).unwrap()))
+        })
+        .collect()
+}
+
+#[test]
+fn the_responses_and_messages_apis_carry_the_thinking_as_their_own_items() {
+    let server = serve("reasoning-apis", &template_file("qwen3-apis.jinja", QWEN3_TEMPLATE), &[]);
+    let (content, reasoning) = message(&post_ok(&server, "/v1/chat/completions", ask(json!({}))));
+    let reasoning = reasoning.expect("the chat path splits the thinking out");
+    let question = ask(json!({}))["messages"][0]["content"].clone();
+
+    // Responses: a `reasoning` item, then the message.
+    let body = json!({ "input": question, "max_output_tokens": 48, "grammar": THINK_GRAMMAR });
+    let whole = post_ok(&server, "/v1/responses", body.clone());
+    let output = &whole["output"];
+    assert_eq!((output[0]["type"].as_str(), output[0]["content"][0]["text"].as_str()), (Some("reasoning"), Some(reasoning.as_str())), "{whole}");
+    assert_eq!((output[1]["type"].as_str(), output[1]["content"][0]["text"].as_str()), (Some("message"), Some(content.as_str())), "{whole}");
+    let streamed = events(&server, "/v1/responses", body);
+    let deltas = |kind: &str| streamed.iter().filter(|(e, _)| e == kind).map(|(_, d)| d["delta"].as_str().unwrap()).collect::<String>();
+    assert_eq!((deltas("response.reasoning_text.delta"), deltas("response.output_text.delta")), (reasoning.clone(), content.clone()));
+    let index_of = |kind: &str| streamed.iter().find(|(e, _)| e == kind).map(|(_, d)| d["output_index"].as_u64()).unwrap();
+    assert_eq!((index_of("response.reasoning_text.delta"), index_of("response.output_text.delta")), (Some(0), Some(1)));
+    let items = |o: &Value| o.as_array().unwrap().iter().map(|i| (i["type"].clone(), i["content"][0]["text"].clone())).collect::<Vec<_>>();
+    assert_eq!(items(&streamed.last().unwrap().1["response"]["output"]), items(&whole["output"]));
+
+    // Messages: a `thinking` block, then the text.
+    let body = json!({ "messages": [{ "role": "user", "content": question }], "max_tokens": 48, "grammar": THINK_GRAMMAR });
+    let whole = post_ok(&server, "/v1/messages", body.clone());
+    let blocks = &whole["content"];
+    assert_eq!((blocks[0]["type"].as_str(), blocks[0]["thinking"].as_str()), (Some("thinking"), Some(reasoning.as_str())), "{whole}");
+    assert_eq!((blocks[1]["type"].as_str(), blocks[1]["text"].as_str()), (Some("text"), Some(content.as_str())), "{whole}");
+    let streamed = events(&server, "/v1/messages", body);
+    let deltas = |kind: &str, field: &str| {
+        streamed.iter().filter(|(e, d)| e == "content_block_delta" && d["delta"]["type"] == kind).map(|(_, d)| d["delta"][field].as_str().unwrap()).collect::<String>()
+    };
+    assert_eq!((deltas("thinking_delta", "thinking"), deltas("text_delta", "text")), (reasoning, content));
+    let starts: Vec<(u64, String)> = streamed
+        .iter()
+        .filter(|(e, _)| e == "content_block_start")
+        .map(|(_, d)| (d["index"].as_u64().unwrap(), d["content_block"]["type"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(starts, [(0, "thinking".to_string()), (1, "text".to_string())]);
+}
