@@ -258,3 +258,32 @@ fn the_responses_and_messages_apis_carry_the_thinking_as_their_own_items() {
         .collect();
     assert_eq!(starts, [(0, "thinking".to_string()), (1, "text".to_string())]);
 }
+
+/// Markers that are control tokens (gpt-oss's channels are) decode to no text; the answer's text
+/// writes them out for the parser, as llama-server's preserved tokens. SmolLM2's `<jupyter_text>`
+/// and `<jupyter_code>` stand for `<think>` and `</think>` in Qwen3's template here.
+#[test]
+fn thinking_markers_that_are_control_tokens_are_seen_by_the_parser() {
+    let template = QWEN3_TEMPLATE.replace("</think>", "<jupyter_code>").replace("<think>", "<jupyter_text>");
+    let server = serve("reasoning-control-tokens", &template_file("qwen3-control.jinja", &template), &[]);
+    let pieces = post_ok(&server, "/tokenize", json!({ "content": "<jupyter_text><jupyter_code>", "with_pieces": true }));
+    assert_eq!(pieces["tokens"].as_array().unwrap().len(), 2, "each marker is one token: {pieces}");
+    let plain = post_ok(&server, "/tokenize", json!({ "content": "<jupyter_text>", "parse_special": false }));
+    assert!(plain["tokens"].as_array().unwrap().len() > 1, "`<jupyter_text>` is a special token");
+
+    let grammar = r#"root ::= <jupyter_text> "\n" [a-z]{4,16} "\n" <jupyter_code> "\n\n" [a-z]{4,16}"#;
+    let body = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 48, "grammar": grammar });
+    // Not split, the markers are control tokens and show as nothing.
+    let raw_answer = post_ok(&server, "/v1/chat/completions", with(&body, "reasoning_format", json!("none")));
+    let raw = message(&raw_answer).0;
+    assert!(!raw.contains("jupyter"), "{raw}");
+    let answer = post_ok(&server, "/v1/chat/completions", body.clone());
+    let (content, reasoning) = message(&answer);
+    let reasoning = reasoning.unwrap_or_else(|| panic!("no reasoning_content: {answer}"));
+    assert_eq!(raw, format!("\n{reasoning}\n\n{content}"), "{answer}");
+    assert!(!content.contains("jupyter") && !reasoning.contains("jupyter"), "{answer}");
+    assert_eq!(answer["usage"], raw_answer["usage"], "the same tokens");
+    let pieces = streamed(&server, body);
+    let join = |thought: bool| pieces.iter().filter(|p| p.0 == thought).map(|p| p.1.as_str()).collect::<String>();
+    assert_eq!((join(false), join(true)), (content, reasoning));
+}
