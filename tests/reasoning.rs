@@ -140,9 +140,7 @@ fn enable_thinking_and_rea_off_close_the_thinking_in_the_prompt() {
 
 #[test]
 fn a_template_that_opens_the_thinking_itself_is_parsed_as_thinking_from_the_first_token() {
-    let opened = QWEN3_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}");
-    assert_ne!(opened, QWEN3_TEMPLATE);
-    let server = serve("reasoning-forced-open", &template_file("qwen3-open.jinja", &opened), &[]);
+    let server = serve("reasoning-forced-open", &template_file("qwen3-open.jinja", &opened_template()), &[]);
     let grammar = r#"root ::= [a-z]{4,16} "\n</think>\n\n" [a-z]{4,16}"#;
     let body = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 48, "grammar": grammar });
     let raw = message(&post_ok(&server, "/v1/chat/completions", with(&body, "reasoning_format", json!("none")))).0;
@@ -153,6 +151,14 @@ fn a_template_that_opens_the_thinking_itself_is_parsed_as_thinking_from_the_firs
     let pieces = streamed(&server, body);
     let join = |thought: bool| pieces.iter().filter(|p| p.0 == thought).map(|p| p.1.as_str()).collect::<String>();
     assert_eq!((join(false), join(true)), (content, reasoning));
+}
+
+/// Qwen3's template, its generation prompt opening the thinking (as DeepSeek-R1's and newer
+/// Qwen3 templates do).
+fn opened_template() -> String {
+    let opened = QWEN3_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}");
+    assert_ne!(opened, QWEN3_TEMPLATE);
+    opened
 }
 
 fn with(body: &Value, key: &str, value: Value) -> Value {
@@ -273,17 +279,46 @@ fn thinking_markers_that_are_control_tokens_are_seen_by_the_parser() {
 
     let grammar = r#"root ::= <jupyter_text> "\n" [a-z]{4,16} "\n" <jupyter_code> "\n\n" [a-z]{4,16}"#;
     let body = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 48, "grammar": grammar });
-    // Not split, the markers are control tokens and show as nothing.
+    // Not split, the markers are written out, as llama-server writes its preserved tokens.
     let raw_answer = post_ok(&server, "/v1/chat/completions", with(&body, "reasoning_format", json!("none")));
     let raw = message(&raw_answer).0;
-    assert!(!raw.contains("jupyter"), "{raw}");
     let answer = post_ok(&server, "/v1/chat/completions", body.clone());
     let (content, reasoning) = message(&answer);
     let reasoning = reasoning.unwrap_or_else(|| panic!("no reasoning_content: {answer}"));
-    assert_eq!(raw, format!("\n{reasoning}\n\n{content}"), "{answer}");
+    assert_eq!(raw, format!("<jupyter_text>\n{reasoning}<jupyter_code>\n\n{content}"), "{answer}");
     assert!(!content.contains("jupyter") && !reasoning.contains("jupyter"), "{answer}");
     assert_eq!(answer["usage"], raw_answer["usage"], "the same tokens");
     let pieces = streamed(&server, body);
     let join = |thought: bool| pieces.iter().filter(|p| p.0 == thought).map(|p| p.1.as_str()).collect::<String>();
     assert_eq!((join(false), join(true)), (content, reasoning));
+}
+
+/// `--reasoning-budget`: past the budget only the end of the thinking may follow (after the
+/// message). llama.cpp's budget sampler is applied with the grammar, to drafts and verify rows
+/// alike, so a speculating server answers as a plain one.
+#[test]
+fn a_reasoning_budget_ends_the_thinking_and_speculation_keeps_the_answer() {
+    let template = template_file("qwen3-budget.jinja", &opened_template());
+    let drafter = common::shipped_drafter();
+    let budget = ["--reasoning-budget", "5", "--reasoning-budget-message", " Enough."];
+    let spec = serve("reasoning-budget-spec", &template, &[&budget[..], &["--drafter", drafter.to_str().unwrap(), "--lookup"]].concat());
+    let plain = serve("reasoning-budget-plain", &template, &[&budget[..], &["--select", "none"]].concat());
+    let free = serve("reasoning-budget-none", &template, &[]);
+    let body = json!({ "messages": [{ "role": "user", "content": "What is the capital of France? Think step by step." }], "max_tokens": 40 });
+
+    let answer = post_ok(&spec, "/v1/chat/completions", body.clone());
+    let (content, reasoning) = message(&answer);
+    let reasoning = reasoning.unwrap_or_else(|| panic!("no reasoning_content: {answer}"));
+    assert!(reasoning.ends_with(" Enough."), "{answer}");
+    let thought = reasoning.strip_suffix(" Enough.").unwrap();
+    let n = post_ok(&spec, "/tokenize", json!({ "content": thought }))["tokens"].as_array().unwrap().len();
+    assert!(n <= 5, "{n} tokens of thinking past a budget of 5: {thought:?}");
+    let (free_content, free_reasoning) = message(&post_ok(&free, "/v1/chat/completions", body.clone()));
+    assert_ne!((free_content, free_reasoning), (content.clone(), Some(reasoning.clone())), "the budget changed nothing");
+    let raw = message(&post_ok(&spec, "/v1/chat/completions", with(&body, "reasoning_format", json!("none")))).0;
+    assert!(raw.starts_with(&format!("{reasoning}</think>")) && raw.ends_with(&content), "the budget holds whatever the format: {raw:?}");
+
+    let plain_answer = post_ok(&plain, "/v1/chat/completions", body.clone());
+    assert_eq!(message(&plain_answer), (content, Some(reasoning)));
+    assert_eq!(plain_answer["usage"], answer["usage"]);
 }

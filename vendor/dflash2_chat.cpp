@@ -6,6 +6,7 @@
 #include "chat.h"
 #include "json.h"
 #include "log.h"
+#include "reasoning-budget.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -116,6 +117,18 @@ char * dflash2_chat_parse(const dflash2_chat_parser * parser, const char * text,
         return nullptr;
     } catch (...) {
         set_error(error, "llama.cpp could not parse the answer");
+        return nullptr;
+    }
+}
+
+llama_sampler * dflash2_reasoning_budget(const llama_vocab * vocab, const llama_token * start, size_t n_start,
+                                         const llama_token * end, size_t n_end, const llama_token * forced,
+                                         size_t n_forced, int32_t budget, bool open) {
+    try {
+        return common_reasoning_budget_init(vocab, { llama_tokens(start, start + n_start) }, { llama_tokens(end, end + n_end) },
+                                            llama_tokens(forced, forced + n_forced), budget,
+                                            open ? REASONING_BUDGET_COUNTING : REASONING_BUDGET_IDLE);
+    } catch (...) {
         return nullptr;
     }
 }

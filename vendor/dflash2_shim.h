@@ -235,6 +235,12 @@ void                  dflash2_chat_parser_free(dflash2_chat_parser * parser);
 char *                dflash2_chat_parse(const dflash2_chat_parser * parser, const char * text, size_t len, bool partial,
                                          char ** error);
 void                  dflash2_string_free(char * s);
+/* llama.cpp's reasoning budget (common/reasoning-budget.h), a sampler: after start[0..n_start) (or
+ * from the first token when `open`), `budget` tokens of thinking, then forced[0..n_forced) token by
+ * token (every other token banned) unless end[0..n_end) came first. NULL on failure. */
+struct llama_sampler * dflash2_reasoning_budget(const struct llama_vocab * vocab, const llama_token * start, size_t n_start,
+                                                const llama_token * end, size_t n_end, const llama_token * forced,
+                                                size_t n_forced, int32_t budget, bool open);
 
 #ifdef __cplusplus
 }

@@ -84,6 +84,14 @@ pub struct ServeArgs {
     /// (`auto`: true, the template decides). A request's `chat_template_kwargs` may set it.
     #[arg(long = "reasoning", value_enum, default_value_t = Thinking::Auto)]
     pub reasoning: Thinking,
+    /// Tokens of thinking an answer may write at most (llama-server's; -1: no limit). Past it
+    /// every token but those that end the thinking (after --reasoning-budget-message) is banned,
+    /// in drafts and verification as in plain decoding, so speculation keeps the answer.
+    #[arg(long = "reasoning-budget", default_value_t = -1, allow_negative_numbers = true)]
+    pub reasoning_budget: i64,
+    /// Text written before the end of the thinking when the budget ends it.
+    #[arg(long = "reasoning-budget-message", default_value = "")]
+    pub reasoning_budget_message: String,
     /// Block, selection and tree budget of requests that do not set them.
     #[command(flatten)]
     pub draft: super::DraftArgs,
@@ -136,6 +144,7 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
         cfg.n_ctx
     );
     anyhow::ensure!(args.n_predict >= -1 && args.n_predict != 0, "--n-predict must be -1 or a positive count");
+    anyhow::ensure!(args.reasoning_budget >= -1, "--reasoning-budget must be -1 (no limit) or a count of tokens");
 
     let metrics = Arc::new(Metrics::default());
     let queue = args.queue.unwrap_or(4 * args.parallel);
@@ -160,6 +169,7 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
             max_prompt_tokens: Some(args.max_prompt_tokens).filter(|&n| n > 0),
             reasoning_format: args.reasoning_format,
             thinking: args.reasoning,
+            reasoning_budget: usize::try_from(args.reasoning_budget).ok().map(|n| (n, args.reasoning_budget_message.clone())),
         },
         template,
         slots_endpoint: !args.no_slots,

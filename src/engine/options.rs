@@ -159,6 +159,9 @@ pub struct GenerateOptions {
     /// How drafts are checked at temperature > 0: by matching (plain decoding's text for a
     /// seed) or by rejection sampling (its distribution).
     pub verifier: Verifier,
+    /// llama.cpp's reasoning budget: a constraint applied with the grammar, to every draft and
+    /// verify row as to plain decoding's tokens.
+    pub reasoning_budget: Option<ReasoningBudget>,
     /// Special tokens the output text writes out (llama-server's preserved tokens: the markers
     /// a chat's answer parser reads, such as gpt-oss's channels); others are written as nothing.
     pub shown_special: Vec<Token>,
@@ -176,6 +179,19 @@ impl Default for GenerateOptions {
             grammar_triggers: Vec::new(),
             verifier: Verifier::Match,
             shown_special: Vec::new(),
+            reasoning_budget: None,
         }
     }
+}
+
+/// At most `budget` tokens of thinking: after `start` (or from the first token when `open`, the
+/// prompt having opened it), `budget` tokens may follow, then `forced` (a message and the end of
+/// the thinking) is the only way on unless `end` came first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReasoningBudget {
+    pub start: Vec<Token>,
+    pub end: Vec<Token>,
+    pub forced: Vec<Token>,
+    pub budget: usize,
+    pub open: bool,
 }

@@ -53,7 +53,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     }
     let (prompt, reasoning) = chat_prompt(&s, conversation, tools.as_ref(), true, &Ask::of(&s, None, None)?).await?;
     if let Some(r) = &reasoning {
-        opts.shown_special = r.shown_special.clone();
+        r.constrain(&mut opts);
     }
     let n_prompt = prompt.len();
     let stops = opts.stop.clone();

@@ -48,6 +48,9 @@ pub struct Defaults {
     pub reasoning_format: reasoning::ReasoningFormat,
     /// The template's `enable_thinking` (`-rea`; a request's `chat_template_kwargs`).
     pub thinking: reasoning::Thinking,
+    /// Tokens of thinking at most, and the message that ends it there (`--reasoning-budget`,
+    /// `--reasoning-budget-message`; None: no limit).
+    pub reasoning_budget: Option<(usize, String)>,
 }
 
 /// Everything the handlers share.

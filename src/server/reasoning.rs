@@ -6,6 +6,7 @@
 //! decoding, whatever the mode.
 use super::errors::ApiError;
 use super::AppState;
+use crate::engine::{GenerateOptions, ReasoningBudget};
 use crate::llama::{AnswerParser, ChatRender, Model, Split, Token};
 use crate::template::Vars;
 use serde_json::Value;
@@ -52,7 +53,8 @@ pub enum Thinking {
 pub struct Ask {
     /// Template variables: `chat_template_kwargs`, and `enable_thinking` always.
     pub vars: Vars,
-    pub format: ReasoningFormat,
+    /// None: only the prompt is wanted (`/apply-template`, token counts).
+    pub format: Option<ReasoningFormat>,
 }
 
 impl Ask {
@@ -86,20 +88,24 @@ impl Ask {
                 )
             })?,
         };
-        Ok(Self { vars, format })
+        Ok(Self { vars, format: Some(format) })
     }
 
     /// The same template variables, the answer not split (for routes that only render).
     pub fn prompt_only(self) -> Self {
-        Self { format: ReasoningFormat::None, ..self }
+        Self { format: None, ..self }
     }
 }
 
-/// The split of one request's answers (one per choice).
+/// The split of one request's answers (one per choice), and what it asks of their decoding.
 pub struct Reasoning {
     parser: AnswerParser,
+    /// `--reasoning-format none`: the answers stay whole (their markers and budget still hold).
+    split: bool,
     /// Special tokens the answers' text must write out for the parser to see them.
-    pub shown_special: Vec<Token>,
+    shown_special: Vec<Token>,
+    /// The thinking's budget (`--reasoning-budget`), in the template's tokens.
+    budget: Option<ReasoningBudget>,
     streams: Mutex<Vec<Streamed>>,
 }
 
@@ -111,8 +117,10 @@ struct Streamed {
 }
 
 impl Reasoning {
-    /// The split by the parser of llama.cpp's rendering `render`.
-    pub fn new(model: &Model, (render, parser): (ChatRender, AnswerParser)) -> Self {
+    /// The split by the parser of llama.cpp's rendering `render`, and `budget` tokens of thinking
+    /// at most, then `message` (`--reasoning-budget`, `--reasoning-budget-message`), where the
+    /// template has thinking tags.
+    pub fn new(model: &Model, (render, parser): (ChatRender, AnswerParser), format: ReasoningFormat, budget: Option<(usize, &str)>) -> Self {
         let markers = render.preserved_tokens.iter().chain(Some(&render.thinking_start_tag)).chain(&render.thinking_end_tags);
         // a marker that is one control token (its plain text empty) must be written out
         let mut shown_special: Vec<Token> = markers
@@ -123,7 +131,25 @@ impl Reasoning {
             .collect();
         shown_special.sort_unstable();
         shown_special.dedup();
-        Self { parser, shown_special, streams: Mutex::default() }
+        let budget = budget.and_then(|(budget, message)| {
+            let tokens = |t: &str| model.tokenize(t, false, true).ok().filter(|t| !t.is_empty());
+            let end = render.thinking_end_tags.first()?;
+            Some(ReasoningBudget {
+                start: tokens(&render.thinking_start_tag)?,
+                end: tokens(end)?,
+                forced: tokens(&format!("{message}{end}"))?,
+                budget,
+                // a prompt that ends in the start tag opened the thinking itself
+                open: render.generation_prompt.trim_end().ends_with(render.thinking_start_tag.as_str()),
+            })
+        });
+        Self { parser, split: format != ReasoningFormat::None, shown_special, budget, streams: Mutex::default() }
+    }
+
+    /// What the split asks of the decoding: the markers written out, the budget applied.
+    pub fn constrain(&self, opts: &mut GenerateOptions) {
+        opts.shown_special = self.shown_special.clone();
+        opts.reasoning_budget = self.budget.clone();
     }
 
     /// A whole answer's split (an answer the parser cannot read stays content).
@@ -165,6 +191,9 @@ impl Reasoning {
     }
 
     fn parse(&self, text: &str, partial: bool) -> Split {
+        if !self.split {
+            return Split { content: text.to_string(), reasoning_content: String::new() };
+        }
         self.parser.parse(text, partial).unwrap_or_else(|e| {
             tracing::warn!("the answer could not be split into reasoning and content: {e}");
             Split { content: text.to_string(), reasoning_content: String::new() }

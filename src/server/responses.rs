@@ -52,7 +52,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
     }
     let (prompt, reasoning) = chat_prompt(&s, messages, tools.as_ref(), true, &Ask::of(&s, None, None)?).await?;
     if let Some(r) = &reasoning {
-        opts.shown_special = r.shown_special.clone();
+        r.constrain(&mut opts);
     }
     let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;

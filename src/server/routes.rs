@@ -3,7 +3,7 @@
 //! answered by a [`Reply`] in its endpoint's shape (`reply`): request -> job -> reply.
 use super::errors::ApiError;
 use super::prompt::{Part, Prompts};
-use super::reasoning::{Ask, Reasoning, ReasoningFormat};
+use super::reasoning::{Ask, Reasoning};
 use super::reply::{drafts, now, slot_params, Reply, Report, Shape};
 use super::scheduler::{GenEvent, GenRequest, QueueFull};
 use super::tools::{self, Tools};
@@ -251,7 +251,7 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
     let ask = Ask::of(&s, req.chat_template_kwargs.as_ref(), req.reasoning_format.as_deref())?;
     let (prompt, reasoning) = chat_prompt(&s, req.messages, tools.as_ref(), open_turn, &ask).await?;
     if let Some(r) = &reasoning {
-        opts.shown_special = r.shown_special.clone();
+        r.constrain(&mut opts);
     }
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let shape = Shape::Chat { include_usage, tools: tools.filter(Tools::active), reasoning };
@@ -591,14 +591,14 @@ fn render_chat(
         }
         true => messages.pop().and_then(|m| m["content"].as_str().map(str::to_string)),
     };
+    let budget = s.defaults.reasoning_budget.as_ref().map(|(n, message)| (*n, message.as_str()));
     let reasoning = match ask.format {
-        ReasoningFormat::None => None,
-        _ if prefill.is_some() => None,
-        format => s
+        Some(format) if prefill.is_none() => s
             .template
-            .answer_parser(&messages, &ask.vars, open_turn || prefill.is_some(), format.name())
+            .answer_parser(&messages, &ask.vars, open_turn, format.name())
             .map_err(template_refused)?
-            .map(|parser| Reasoning::new(s.model(), parser)),
+            .map(|parser| Reasoning::new(s.model(), parser, format, budget)),
+        _ => None,
     };
     if let Some(t) = tools {
         t.describe(&mut messages);
