@@ -593,11 +593,15 @@ fn render_chat(
     };
     let budget = s.defaults.reasoning_budget.as_ref().map(|(n, message)| (*n, message.as_str()));
     let reasoning = match ask.format {
-        Some(format) if prefill.is_none() => s
-            .template
-            .answer_parser(&messages, &ask.vars, open_turn, format.name())
-            .map_err(template_refused)?
-            .map(|parser| Reasoning::new(s.model(), parser, format, budget)),
+        Some(format) if prefill.is_none() => match s.template.answer_parser(&messages, &ask.vars, open_turn, format.name()) {
+            Ok(parser) => parser.map(|parser| Reasoning::new(s.model(), parser, format, budget)),
+            // minijinja's rendering below speaks for the template; without llama.cpp's, the
+            // answer is not split
+            Err(e) => {
+                tracing::warn!("llama.cpp cannot render this chat ({e}); its answer is not split into reasoning and content");
+                None
+            }
+        },
         _ => None,
     };
     if let Some(t) = tools {
