@@ -43,7 +43,7 @@ fn main() {
     let includes = [include.clone(), src_dir.join("src"), src_dir.join("common"), src_dir.join("ggml/include")];
 
     let mut build = cc::Build::new();
-    build.cpp(true).std("c++17").file("vendor/dflash2_shim.cpp").warnings(false);
+    build.cpp(true).std("c++17").files(["vendor/dflash2_shim.cpp", "vendor/dflash2_chat.cpp"]).warnings(false);
     for dir in &includes {
         build.include(dir);
     }
@@ -91,6 +91,7 @@ fn main() {
     println!("cargo:rustc-env=DFLASH2_LLAMA_INCLUDE={}", include.display());
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.cpp");
     println!("cargo:rerun-if-changed=vendor/dflash2_shim.h");
+    println!("cargo:rerun-if-changed=vendor/dflash2_chat.cpp");
     for file in KERNELS.iter().chain(KERNEL_HEADERS) {
         println!("cargo:rerun-if-changed={file}");
     }

@@ -5,7 +5,7 @@
 //! template names, and any template minijinja cannot compile (llama.cpp then picks the format
 //! from the template's text, as it did before Jinja).
 
-use crate::llama::{apply_llama_template, builtin_chat_templates, ChatMessage, LlamaError, Model, Result, Token};
+use crate::llama::{apply_llama_template, builtin_chat_templates, AnswerParser, ChatMessage, ChatRender, LlamaChat, LlamaError, Model, Result, Token};
 use minijinja::value::{Kwargs, Serde, Value};
 use minijinja::{Environment, Error, ErrorKind};
 
@@ -36,7 +36,14 @@ pub struct ChatTemplate {
     strip_bos: bool,
     /// Whether the template writes the request's tools into the prompt (found once, by a probe).
     describes_tools: std::sync::OnceLock<bool>,
+    /// llama.cpp's own templates from the same text: the parser of a Jinja template's answers
+    /// (None where llama.cpp cannot read the template: answers are then not split).
+    llama: Option<LlamaChat>,
 }
+
+/// Template variables a request sets besides the messages (llama-server's
+/// `chat_template_kwargs`, and `enable_thinking`).
+pub type Vars = serde_json::Map<String, serde_json::Value>;
 
 const NAME: &str = "chat";
 
@@ -74,7 +81,13 @@ impl ChatTemplate {
                 }
             }
         };
-        Ok(Self { source, renderer, bos, eos, strip_bos, describes_tools: Default::default() })
+        let llama = match &renderer {
+            Renderer::Jinja(_) => LlamaChat::new(model, &source)
+                .inspect_err(|e| tracing::warn!("llama.cpp cannot read the chat template ({e}); answers are not split into reasoning and content"))
+                .ok(),
+            Renderer::Llama(_) => None,
+        };
+        Ok(Self { source, renderer, bos, eos, strip_bos, describes_tools: Default::default(), llama })
     }
 
     /// The template's text (or the built-in name).
@@ -93,17 +106,19 @@ impl ChatTemplate {
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let messages: Vec<serde_json::Value> =
             messages.iter().map(|m| serde_json::json!({ "role": m.role, "content": m.content })).collect();
-        self.render_with_tools(&messages, None, add_generation_prompt)
+        self.render_with_tools(&messages, None, add_generation_prompt, &Vars::new())
     }
 
     /// Render messages given as JSON (assistant `tool_calls`, `tool` results) with a request's
-    /// `tools` (OpenAI's shape), as Hugging Face's `apply_chat_template(messages, tools=tools)`.
+    /// `tools` (OpenAI's shape), as Hugging Face's `apply_chat_template(messages, tools=tools)`;
+    /// `vars` are further template variables, over the others of the same name (as llama.cpp's).
     /// llama.cpp's template code reads only each message's role and text.
     pub fn render_with_tools(
         &self,
         messages: &[serde_json::Value],
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
+        vars: &Vars,
     ) -> Result<String> {
         let text = match &self.renderer {
             Renderer::Llama(tmpl) => {
@@ -119,13 +134,15 @@ impl ChatTemplate {
             }
             Renderer::Jinja(env) => {
                 let tmpl = env.get_template(NAME).expect("added at construction");
-                let ctx = minijinja::context! {
+                let base = minijinja::context! {
                     messages => Value::from(Serde(messages)),
                     tools => tools.map(|t| Value::from(Serde(t))),
                     add_generation_prompt => add_generation_prompt,
                     bos_token => self.bos.as_str(),
                     eos_token => self.eos.as_str(),
                 };
+                // (of merged maps, the first that has a key gives it)
+                let ctx = minijinja::value::merge_maps([Value::from(Serde(vars)), base]);
                 tmpl.render(ctx).map_err(|e| match e.kind() {
                     ErrorKind::InvalidOperation if e.detail().is_some() => {
                         LlamaError::ChatTemplate(e.detail().unwrap_or_default().to_string())
@@ -148,8 +165,26 @@ impl ChatTemplate {
             let tool = serde_json::json!({ "type": "function", "function": {
                 "name": PROBE, "description": "", "parameters": { "type": "object", "properties": {} } } });
             let user = serde_json::json!({ "role": "user", "content": "x" });
-            self.is_jinja() && self.render_with_tools(&[user], Some(&[tool]), true).is_ok_and(|t| t.contains(PROBE))
+            self.is_jinja() && self.render_with_tools(&[user], Some(&[tool]), true, &Vars::new()).is_ok_and(|t| t.contains(PROBE))
         })
+    }
+
+    /// llama.cpp's rendering of `messages` with `vars` (the prompt, which [`render_with_tools`]
+    /// gives too, and what the answer continues) and the parser that splits the answer into
+    /// reasoning and content for `reasoning_format` (llama.cpp's name); None where llama.cpp
+    /// cannot read the template.
+    ///
+    /// [`render_with_tools`]: Self::render_with_tools
+    pub fn answer_parser(
+        &self,
+        messages: &[serde_json::Value],
+        vars: &Vars,
+        add_generation_prompt: bool,
+        reasoning_format: &str,
+    ) -> Result<Option<(ChatRender, AnswerParser)>> {
+        let Some(llama) = &self.llama else { return Ok(None) };
+        let thinking = vars.get("enable_thinking").and_then(serde_json::Value::as_bool).unwrap_or(true);
+        llama.apply(messages, vars, add_generation_prompt, thinking, reasoning_format).map(Some)
     }
 
     /// The prompt tokens of `messages`, as every chat path (CLI, server, C ABI) decodes them.

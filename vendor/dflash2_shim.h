@@ -215,6 +215,33 @@ int32_t            dflash2_upstream_draft(dflash2_upstream * u, int32_t seq, con
 /* The target took n_accepted of the last draft of `seq` (the n-gram types adapt to it). */
 int32_t            dflash2_upstream_accept(dflash2_upstream * u, int32_t seq, int32_t n_accepted);
 
+/* ---- llama.cpp's chat code (common/chat.cpp), in dflash2_chat.cpp ----
+ * Strings cross as JSON; a failure returns NULL and sets *error (free it with dflash2_string_free). */
+typedef struct dflash2_chat        dflash2_chat;
+typedef struct dflash2_chat_parser dflash2_chat_parser;
+
+/* llama.cpp's templates for `model` from the Jinja template text `tmpl`. */
+dflash2_chat *        dflash2_chat_new(const struct llama_model * model, const char * tmpl, char ** error);
+void                  dflash2_chat_free(dflash2_chat * chat);
+/* Render `messages_json` (OpenAI's messages) with the template variables of `kwargs_json` (an object)
+ * and set up the parser of the answer for `reasoning_format` (llama.cpp's names). *info receives
+ * {"prompt", "generation_prompt", "supports_thinking", "thinking_start_tag", "thinking_end_tags",
+ * "preserved_tokens"}. */
+dflash2_chat_parser * dflash2_chat_apply(const dflash2_chat * chat, const char * messages_json, const char * kwargs_json,
+                                         bool add_generation_prompt, bool enable_thinking,
+                                         const char * reasoning_format, char ** info, char ** error);
+void                  dflash2_chat_parser_free(dflash2_chat_parser * parser);
+/* Split text[0..len) (an answer so far when `partial`) into {"content", "reasoning_content"}. */
+char *                dflash2_chat_parse(const dflash2_chat_parser * parser, const char * text, size_t len, bool partial,
+                                         char ** error);
+void                  dflash2_string_free(char * s);
+/* llama.cpp's reasoning budget (common/reasoning-budget.h), a sampler: after start[0..n_start) (or
+ * from the first token when `open`), `budget` tokens of thinking, then forced[0..n_forced) token by
+ * token (every other token banned) unless end[0..n_end) came first. NULL on failure. */
+struct llama_sampler * dflash2_reasoning_budget(const struct llama_vocab * vocab, const llama_token * start, size_t n_start,
+                                                const llama_token * end, size_t n_end, const llama_token * forced,
+                                                size_t n_forced, int32_t budget, bool open);
+
 #ifdef __cplusplus
 }
 #endif

@@ -301,8 +301,9 @@ impl TemplateArgs {
 /// llama.cpp spells some long flags with one dash (`-ctk q8_0`); clap cannot, so they are
 /// rewritten to their long form before parsing.
 pub fn llama_style_args(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
-    const SPELLINGS: [(&str, &str); 5] = [
+    const SPELLINGS: [(&str, &str); 6] = [
         ("-np", "--parallel"),
+        ("-rea", "--reasoning"),
         ("-ctk", "--cache-type-k"),
         ("-ctv", "--cache-type-v"),
         ("-ctkd", "--cache-type-k-draft"),

@@ -1,6 +1,7 @@
 //! `dflash2 serve`: the HTTP server (OpenAI and llama-server endpoints).
 use crate::draft::config::SelectMode;
 use crate::server::metrics::Metrics;
+use crate::server::reasoning::{ReasoningFormat, Thinking};
 use crate::server::scheduler::Scheduler;
 use crate::server::{self, AppState, Defaults};
 use std::io::Write;
@@ -60,6 +61,9 @@ pub struct ServeArgs {
     /// of localhost, 127.0.0.1 and [::1]. Default: every origin (the request's is mirrored).
     #[arg(long = "cors-origins", value_delimiter = ',')]
     pub cors_origins: Vec<String>,
+    /// Leave out the chat page at `/` (llama-server's `--no-webui`).
+    #[arg(long = "no-webui")]
+    pub no_webui: bool,
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long = "max-body", default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -70,6 +74,24 @@ pub struct ServeArgs {
     /// Connections served at once; further ones wait to be accepted.
     #[arg(long = "max-connections", default_value_t = 512)]
     pub max_connections: usize,
+    /// Where a chat answer's thinking goes (llama-server's): `deepseek` or `auto` split it into
+    /// `reasoning_content` (streamed as `delta.reasoning_content`); `deepseek-legacy` does too,
+    /// but streams it inline in `content`; `none` leaves it in `content`, tags included. A
+    /// request's `reasoning_format` chooses for itself.
+    #[arg(long = "reasoning-format", value_enum, default_value_t = ReasoningFormat::Auto)]
+    pub reasoning_format: ReasoningFormat,
+    /// Whether the model thinks (`-rea`, llama-server's): the chat template's `enable_thinking`
+    /// (`auto`: true, the template decides). A request's `chat_template_kwargs` may set it.
+    #[arg(long = "reasoning", value_enum, default_value_t = Thinking::Auto)]
+    pub reasoning: Thinking,
+    /// Tokens of thinking an answer may write at most (llama-server's; -1: no limit). Past it
+    /// every token but those that end the thinking (after --reasoning-budget-message) is banned,
+    /// in drafts and verification as in plain decoding, so speculation keeps the answer.
+    #[arg(long = "reasoning-budget", default_value_t = -1, allow_negative_numbers = true)]
+    pub reasoning_budget: i64,
+    /// Text written before the end of the thinking when the budget ends it.
+    #[arg(long = "reasoning-budget-message", default_value = "")]
+    pub reasoning_budget_message: String,
     /// Block, selection and tree budget of requests that do not set them.
     #[command(flatten)]
     pub draft: super::DraftArgs,
@@ -122,6 +144,7 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
         cfg.n_ctx
     );
     anyhow::ensure!(args.n_predict >= -1 && args.n_predict != 0, "--n-predict must be -1 or a positive count");
+    anyhow::ensure!(args.reasoning_budget >= -1, "--reasoning-budget must be -1 (no limit) or a count of tokens");
 
     let metrics = Arc::new(Metrics::default());
     let queue = args.queue.unwrap_or(4 * args.parallel);
@@ -144,11 +167,15 @@ pub fn app(args: &ServeArgs) -> anyhow::Result<(axum::Router, server::Limits)> {
             verifier: args.sampling.spec_sampling,
             n_predict: usize::try_from(args.n_predict).ok(),
             max_prompt_tokens: Some(args.max_prompt_tokens).filter(|&n| n > 0),
+            reasoning_format: args.reasoning_format,
+            thinking: args.reasoning,
+            reasoning_budget: usize::try_from(args.reasoning_budget).ok().map(|n| (n, args.reasoning_budget_message.clone())),
         },
         template,
         slots_endpoint: !args.no_slots,
         verbose: args.verbose,
         cors_origins: args.cors_origins.clone(),
+        webui: !args.no_webui,
     });
     anyhow::ensure!(
         args.read_timeout.is_finite() && args.read_timeout > 0.0,

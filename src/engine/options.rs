@@ -2,7 +2,7 @@
 //! ([`GenerateOptions`]).
 use super::{EngineError, Result};
 use crate::draft::config::DraftConfig;
-use crate::llama::{CacheType, ContextParams, FeatureSource, Model, ModelParams};
+use crate::llama::{CacheType, ContextParams, FeatureSource, Model, ModelParams, Token};
 use crate::verify::MAX_TREE_LEAVES;
 use crate::sampling::SamplingParams;
 use crate::target::Repack;
@@ -159,6 +159,12 @@ pub struct GenerateOptions {
     /// How drafts are checked at temperature > 0: by matching (plain decoding's text for a
     /// seed) or by rejection sampling (its distribution).
     pub verifier: Verifier,
+    /// llama.cpp's reasoning budget: a constraint applied with the grammar, to every draft and
+    /// verify row as to plain decoding's tokens.
+    pub reasoning_budget: Option<ReasoningBudget>,
+    /// Special tokens the output text writes out (llama-server's preserved tokens: the markers
+    /// a chat's answer parser reads, such as gpt-oss's channels); others are written as nothing.
+    pub shown_special: Vec<Token>,
 }
 
 impl Default for GenerateOptions {
@@ -172,6 +178,20 @@ impl Default for GenerateOptions {
             grammar: None,
             grammar_triggers: Vec::new(),
             verifier: Verifier::Match,
+            shown_special: Vec::new(),
+            reasoning_budget: None,
         }
     }
+}
+
+/// At most `budget` tokens of thinking: after `start` (or from the first token when `open`, the
+/// prompt having opened it), `budget` tokens may follow, then `forced` (a message and the end of
+/// the thinking) is the only way on unless `end` came first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReasoningBudget {
+    pub start: Vec<Token>,
+    pub end: Vec<Token>,
+    pub forced: Vec<Token>,
+    pub budget: usize,
+    pub open: bool,
 }

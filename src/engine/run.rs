@@ -199,7 +199,7 @@ impl Output {
             }
             self.tokens.push(t);
             let from = self.bytes.len();
-            self.bytes.extend_from_slice(&model.token_bytes(t, false));
+            self.bytes.extend_from_slice(&model.token_bytes(t, opts.shown_special.contains(&t)));
             if let Some((at, word)) = find_stop(&self.bytes, from, &opts.stop) {
                 self.stop_at = Some(at);
                 self.stop_word = Some(word.to_string());

@@ -1,13 +1,15 @@
 //! llama.cpp's grammar sampler (GBNF, and JSON schemas through its converter in `common/`):
-//! which tokens a grammar allows after what was generated so far.
+//! which tokens a grammar allows after what was generated so far; and its reasoning budget,
+//! a constraint of the same kind (what may follow depends on what came), applied with it.
 
-use super::{LlamaError, Model, Result, Token};
+use super::{shim, LlamaError, Model, Result, Token};
 use llama_cpp_sys_2 as sys;
 use std::ffi::{CStr, CString};
 use std::ptr::NonNull;
 
 /// A grammar's state: the tokens accepted so far decide what may follow. Cloning copies the
-/// state (a draft path's rows each need the state after their prefix).
+/// state (a draft path's rows each need the state after their prefix). A reasoning budget, or a
+/// grammar and a budget together ([`Grammar::all`]), are applied the same way.
 pub struct Grammar {
     ptr: NonNull<sys::llama_sampler>,
 }
@@ -54,6 +56,44 @@ impl Grammar {
         NonNull::new(ptr)
             .map(|ptr| Self { ptr })
             .ok_or_else(|| LlamaError::Invalid("llama.cpp cannot parse the grammar (see its log for where)".into()))
+    }
+
+    /// llama.cpp's reasoning budget: after `start` (or from the first token when `open`),
+    /// `budget` tokens of thinking; then `forced` is the only way on, token by token, unless
+    /// `end` came first.
+    pub fn reasoning_budget(model: &Model, start: &[Token], end: &[Token], forced: &[Token], budget: usize, open: bool) -> Result<Self> {
+        let budget = i32::try_from(budget).unwrap_or(i32::MAX);
+        // SAFETY: the slices outlive the call, which copies them; exceptions are caught in the shim.
+        let ptr = unsafe {
+            shim::dflash2_reasoning_budget(
+                model.vocab_ptr(),
+                start.as_ptr(),
+                start.len(),
+                end.as_ptr(),
+                end.len(),
+                forced.as_ptr(),
+                forced.len(),
+                budget,
+                open,
+            )
+        };
+        NonNull::new(ptr).map(|ptr| Self { ptr }).ok_or_else(|| LlamaError::Invalid("llama.cpp's reasoning budget could not be set up".into()))
+    }
+
+    /// The constraints of `parts` together: a token must pass each; each takes every token.
+    pub fn all(parts: Vec<Grammar>) -> Option<Self> {
+        if parts.len() <= 1 {
+            return parts.into_iter().next();
+        }
+        // SAFETY: the chain takes ownership of each part's sampler (forgotten here, freed with it).
+        unsafe {
+            let chain = sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
+            for part in parts {
+                sys::llama_sampler_chain_add(chain, part.ptr.as_ptr());
+                std::mem::forget(part);
+            }
+            NonNull::new(chain).map(|ptr| Self { ptr })
+        }
     }
 
     /// The GBNF grammar of a JSON schema (llama.cpp's `json_schema_to_grammar`).

@@ -8,6 +8,7 @@
 //! Every raw pointer lives in a type that frees it on drop; callers see safe methods.
 
 mod batch;
+mod chat;
 mod context;
 mod grammar;
 mod model;
@@ -17,6 +18,7 @@ mod threads;
 mod upstream;
 
 pub use batch::Batch;
+pub use chat::{AnswerParser, ChatRender, LlamaChat, Split};
 pub use context::{capture_eval, CacheType, Capture, Context, ContextParams, FeatureSource};
 pub use grammar::Grammar;
 pub use model::{apply_llama_template, builtin_chat_templates, quantize, ChatMessage, FimTokens, Model, ModelParams, QUANT_TYPES};

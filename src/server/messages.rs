@@ -3,8 +3,10 @@
 //! `tool_result` blocks) become chat messages, `stop_sequences` the stop strings, `tools` chat
 //! tools; the answer is a `message` with content blocks, or its stream of events
 //! (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`).
+//! A reasoning model's thinking comes first, as a `thinking` block (`thinking_delta`).
 use super::errors::ApiError;
 use super::reply::stopping_word;
+use super::reasoning::{Ask, Reasoning};
 use super::routes::{chat_prompt, collect, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
@@ -49,7 +51,10 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
     if let Some(t) = &tools {
         t.constrain(&mut opts)?;
     }
-    let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
+    let (prompt, reasoning) = chat_prompt(&s, conversation, tools.as_ref(), true, &Ask::of(&s, None, None)?).await?;
+    if let Some(r) = &reasoning {
+        r.constrain(&mut opts);
+    }
     let n_prompt = prompt.len();
     let stops = opts.stop.clone();
     let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;
@@ -60,6 +65,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
         target: s.model().clone(),
         stops,
         tools: tools.filter(Tools::active),
+        reasoning,
     };
     match req.stream.unwrap_or(false) {
         true => Ok(answer.stream(rx, n_prompt)),
@@ -70,7 +76,7 @@ pub async fn messages(State(s): State<Arc<AppState>>, Sampled(req, mut sampling)
 /// `POST /v1/messages/count_tokens`: how many prompt tokens a Messages request would decode.
 pub async fn count_tokens(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Json<Value>, ApiError> {
     let (conversation, tools) = chat_request(&s, &req)?;
-    let prompt = chat_prompt(&s, conversation, tools.as_ref(), true).await?;
+    let (prompt, _) = chat_prompt(&s, conversation, tools.as_ref(), true, &Ask::of(&s, None, None)?.prompt_only()).await?;
     Ok(Json(json!({ "input_tokens": prompt.len() })))
 }
 
@@ -195,22 +201,27 @@ fn texts(value: &Value, path: &str) -> Result<String, ApiError> {
     }
 }
 
-/// One message being answered: its id, the stop strings whose match it reports, and the tools
-/// its calls are parsed for.
+/// One message being answered: its id, the stop strings whose match it reports, the tools its
+/// calls are parsed for and the split of its thinking.
 struct Answer {
     id: String,
     model: String,
     target: Arc<Model>,
     stops: Vec<String>,
     tools: Option<Tools>,
+    reasoning: Option<Reasoning>,
 }
 
 impl Answer {
-    fn parse(&self, g: &Generation) -> Parsed {
-        match &self.tools {
-            Some(t) => t.parse(&g.text),
-            None => Parsed { content: Some(g.text.clone()), calls: Vec::new() },
-        }
+    /// The answer's thinking (if any) and its content and calls.
+    fn parse(&self, g: &Generation) -> (Option<String>, Parsed) {
+        let split = self.reasoning.as_ref().map(|r| r.whole(&g.text));
+        let text = split.as_ref().map_or(&g.text, |s| &s.content);
+        let parsed = match &self.tools {
+            Some(t) => t.parse(text),
+            None => Parsed { content: Some(text.clone()), calls: Vec::new() },
+        };
+        (split.map(|s| s.reasoning_content).filter(|r| !r.is_empty()), parsed)
     }
 
     /// Anthropic's `stop_reason` and `stop_sequence`.
@@ -223,14 +234,15 @@ impl Answer {
         }
     }
 
-    /// The content blocks of a finished answer: its text, then its calls.
-    fn blocks(parsed: &Parsed) -> Vec<Value> {
+    /// The content blocks of a finished answer: its thinking, its text, then its calls.
+    fn blocks(thought: Option<&str>, parsed: &Parsed) -> Vec<Value> {
+        let thought = thought.map(|t| json!({ "type": "thinking", "thinking": t, "signature": "" }));
         let text = parsed.content.iter().filter(|c| !c.is_empty()).map(|c| json!({ "type": "text", "text": c }));
         let calls = parsed.calls.iter().map(|c| {
             let input: Value = serde_json::from_str(&c.function.arguments).unwrap_or_else(|_| json!({}));
             json!({ "type": "tool_use", "id": c.id, "name": c.function.name, "input": input })
         });
-        text.chain(calls).collect()
+        thought.into_iter().chain(text).chain(calls).collect()
     }
 
     fn usage(g: &Generation) -> Value {
@@ -239,16 +251,17 @@ impl Answer {
     }
 
     fn message(&self, g: &Generation) -> Value {
-        let parsed = self.parse(g);
+        let (thought, parsed) = self.parse(g);
         let (stop_reason, stop_sequence) = self.stop(g, &parsed);
-        json!({ "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": Self::blocks(&parsed),
+        let content = Self::blocks(thought.as_deref(), &parsed);
+        json!({ "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": Self::usage(g) })
     }
 
     /// Anthropic's events: the message opened, its text block as it comes (opened at its first
     /// piece), the calls whole as `tool_use` blocks, then the stop reason and the end.
     fn stream(self, rx: mpsc::Receiver<GenEvent>, n_prompt: usize) -> Response {
-        let state = Streaming { answer: self, started: false, text_open: false, content: ContentStream::default(), done: false };
+        let state = Streaming { answer: self, started: false, thinking: None, text_open: false, content: ContentStream::default(), done: false };
         let body = stream::unfold((Some(rx), state), move |(rx, mut st)| async move {
             let mut rx = rx?;
             let events = if !std::mem::replace(&mut st.started, true) {
@@ -277,49 +290,94 @@ fn event(kind: &str, mut data: Value) -> Event {
     Event::default().event(kind).data(data.to_string())
 }
 
-/// A stream in progress: whether `message_start` went out and the text block is open.
+/// A stream in progress: whether `message_start` went out, whether the thinking block is open
+/// (`Some(true)`; `Some(false)`: it was, it is closed) and the text block is.
 struct Streaming {
     answer: Answer,
     started: bool,
+    thinking: Option<bool>,
     text_open: bool,
     content: ContentStream,
     done: bool,
 }
 
 impl Streaming {
-    /// Text the answer surely holds, as a delta of block 0.
-    fn text(&mut self, delta: &str) -> Vec<Event> {
+    /// Where the text block is: after the thinking's, if any.
+    fn text_index(&self) -> usize {
+        usize::from(self.thinking.is_some())
+    }
+
+    /// Thinking, as a delta of block 0 (opened at its first piece).
+    fn think(&mut self, delta: &str) -> Vec<Event> {
         if delta.is_empty() {
             return Vec::new();
         }
         let mut out = Vec::new();
-        if !std::mem::replace(&mut self.text_open, true) {
-            out.push(event("content_block_start", json!({ "index": 0, "content_block": { "type": "text", "text": "" } })));
+        if self.thinking.replace(true).is_none() {
+            out.push(event("content_block_start", json!({ "index": 0, "content_block": { "type": "thinking", "thinking": "", "signature": "" } })));
         }
-        out.push(event("content_block_delta", json!({ "index": 0, "delta": { "type": "text_delta", "text": delta } })));
+        out.push(event("content_block_delta", json!({ "index": 0, "delta": { "type": "thinking_delta", "thinking": delta } })));
+        out
+    }
+
+    /// The thinking block's end, once, when it is open.
+    fn close_thinking(&mut self) -> Vec<Event> {
+        match self.thinking {
+            Some(true) => {
+                self.thinking = Some(false);
+                vec![event("content_block_stop", json!({ "index": 0 }))]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Text the answer surely holds, as a delta of the text block (the thinking ends there).
+    fn text(&mut self, delta: &str) -> Vec<Event> {
+        if delta.is_empty() {
+            return Vec::new();
+        }
+        let mut out = self.close_thinking();
+        let index = self.text_index();
+        if !std::mem::replace(&mut self.text_open, true) {
+            out.push(event("content_block_start", json!({ "index": index, "content_block": { "type": "text", "text": "" } })));
+        }
+        out.push(event("content_block_delta", json!({ "index": index, "delta": { "type": "text_delta", "text": delta } })));
         out
     }
 
     fn piece(&mut self, text: &str) -> Vec<Event> {
-        let shown = match &self.answer.tools {
-            Some(t) => self.content.push(t, text),
-            None => text.to_string(),
+        let (thought, text) = match &self.answer.reasoning {
+            Some(r) => {
+                let split = r.piece(0, text);
+                (split.reasoning_content, split.content)
+            }
+            None => (String::new(), text.to_string()),
         };
-        self.text(&shown)
+        let mut out = self.think(&thought);
+        let shown = match &self.answer.tools {
+            Some(t) => self.content.push(t, &text),
+            None => text,
+        };
+        out.extend(self.text(&shown));
+        out
     }
 
     fn finish(&mut self, g: &Generation) -> Vec<Event> {
-        let parsed = self.answer.parse(g);
+        let (_, parsed) = self.answer.parse(g);
+        // what the split held back, then the rest of the text
+        let held = self.answer.reasoning.as_ref().map(|r| r.rest(0)).unwrap_or_default();
+        let mut out = self.think(&held.reasoning_content);
+        out.extend(self.close_thinking());
         let rest = match &self.answer.tools {
             Some(_) => self.content.rest(parsed.content.as_deref().unwrap_or_default()).to_string(),
-            None => String::new(), // every piece went out as it came
+            None => held.content, // every other piece went out as it came
         };
-        let mut out = self.text(&rest);
+        out.extend(self.text(&rest));
         if self.text_open {
-            out.push(event("content_block_stop", json!({ "index": 0 })));
+            out.push(event("content_block_stop", json!({ "index": self.text_index() })));
         }
-        let first = usize::from(self.text_open);
-        for (i, call) in Answer::blocks(&parsed).into_iter().filter(|b| b["type"] == "tool_use").enumerate() {
+        let first = self.text_index() + usize::from(self.text_open);
+        for (i, call) in Answer::blocks(None, &parsed).into_iter().filter(|b| b["type"] == "tool_use").enumerate() {
             let index = first + i;
             let start = json!({ "type": "tool_use", "id": call["id"], "name": call["name"], "input": {} });
             out.push(event("content_block_start", json!({ "index": index, "content_block": start })));

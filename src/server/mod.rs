@@ -11,6 +11,7 @@ pub mod logprobs;
 pub mod messages;
 pub mod metrics;
 pub mod prompt;
+pub mod reasoning;
 pub mod reply;
 pub mod responses;
 pub mod routes;
@@ -43,6 +44,13 @@ pub struct Defaults {
     pub n_predict: Option<usize>,
     /// Longest prompt a request may send, in tokens (`--max-prompt-tokens`; None: the slot's context).
     pub max_prompt_tokens: Option<usize>,
+    /// Where a chat answer's reasoning goes (`--reasoning-format`; a request's `reasoning_format`).
+    pub reasoning_format: reasoning::ReasoningFormat,
+    /// The template's `enable_thinking` (`-rea`; a request's `chat_template_kwargs`).
+    pub thinking: reasoning::Thinking,
+    /// Tokens of thinking at most, and the message that ends it there (`--reasoning-budget`,
+    /// `--reasoning-budget-message`; None: no limit).
+    pub reasoning_budget: Option<(usize, String)>,
 }
 
 /// Everything the handlers share.
@@ -67,6 +75,8 @@ pub struct AppState {
     pub verbose: bool,
     /// `--cors-origins`: the origins browsers may call from (empty: any).
     pub cors_origins: Vec<String>,
+    /// The chat page at `/` (`--no-webui` leaves it out, as llama-server).
+    pub webui: bool,
 }
 
 impl AppState {
@@ -102,6 +112,8 @@ pub struct BodyTimeout(pub Duration);
 /// The routes; everything but `/health` needs the API key when one is set.
 pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
     let body_timeout = BodyTimeout(limits.read_timeout);
+    // The chat page asks for the API key itself: it is served without one, as llama-server's.
+    let page = if state.webui { Router::new().route("/", get(routes::webui)) } else { Router::new() };
     // llama-server answers its OpenAI routes with and without the `/v1` prefix; so do we.
     Router::new()
         .route("/v1/models", get(routes::models))
@@ -134,6 +146,7 @@ pub fn router(state: Arc<AppState>, limits: &Limits) -> Router {
         .route("/embedding", post(routes::not_supported))
         .route("/v1/rerank", post(routes::not_supported))
         .route("/rerank", post(routes::not_supported))
+        .merge(page)
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))

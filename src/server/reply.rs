@@ -1,6 +1,7 @@
 //! Reply shaping: one generation's answer in its endpoint's shape (OpenAI's chat and text
 //! completions, llama-server's `/completion`), whole or as server-sent events.
 use super::errors::ApiError;
+use super::reasoning::Reasoning;
 use super::scheduler::GenEvent;
 use super::tools::{self, Tools};
 use super::types::*;
@@ -49,8 +50,8 @@ pub(super) fn slot_params(o: &GenerateOptions, trained: Option<usize>) -> SlotPa
 
 /// Which endpoint's shapes a reply takes.
 pub(super) enum Shape {
-    /// `tools`: tool calls are parsed out of the answer.
-    Chat { include_usage: bool, tools: Option<Tools> },
+    /// `tools`: tool calls are parsed out of the answer; `reasoning`: its thinking is split out.
+    Chat { include_usage: bool, tools: Option<Tools>, reasoning: Option<Reasoning> },
     Text { include_usage: bool },
     /// `several`: the request held several prompts (answered as a list); `fields`: only these
     /// fields of each end (llama-server's `response_fields`).
@@ -144,22 +145,27 @@ impl Reply {
         let usage = Some(Usage::of(gens, self.per_prompt));
         let timings = Some(Timings::from(&gens[0].stats));
         match &self.shape {
-            Shape::Chat { tools, .. } => {
+            Shape::Chat { tools, reasoning, .. } => {
                 let choices = gens
                     .iter()
                     .enumerate()
                     .map(|(i, g)| {
+                        let split = reasoning.as_ref().map(|r| r.whole(&g.text));
+                        let text = split.as_ref().map_or(&g.text, |s| &s.content);
+                        let reasoning_content = split.as_ref().map(|s| s.reasoning_content.clone()).filter(|r| !r.is_empty());
                         let (content, tool_calls) = match tools {
-                            None => (Some(g.text.clone()), None),
+                            None => (Some(text.clone()), None),
                             Some(t) => {
-                                let parsed = t.parse(&g.text);
+                                let parsed = t.parse(text);
                                 (parsed.content, Some(parsed.calls).filter(|c| !c.is_empty()))
                             }
                         };
+                        let finish_reason = Some(chat_finish(g.finish, tool_calls.is_some()));
+                        let message = ChatMessageOut { role: Some("assistant"), content: Some(content), reasoning_content, tool_calls };
                         ChatChoice {
                             index: i as u32,
-                            finish_reason: Some(chat_finish(g.finish, tool_calls.is_some())),
-                            message: Some(ChatMessageOut { role: Some("assistant"), content: Some(content), tool_calls }),
+                            finish_reason,
+                            message: Some(message),
                             delta: None,
                             logprobs: self.chat_logprobs(&g.probs),
                         }
@@ -252,16 +258,28 @@ impl Reply {
     ) -> Option<Event> {
         let with_probs = self.logprobs && !probs.is_empty();
         match &self.shape {
-            Shape::Chat { tools, .. } => {
+            Shape::Chat { tools, reasoning, .. } => {
+                let (thought, text) = match reasoning {
+                    None => (String::new(), text),
+                    Some(r) => {
+                        let split = r.piece(index, &text);
+                        (split.reasoning_content, split.content)
+                    }
+                };
                 let text = match tools {
                     None => text,
                     Some(t) => self.shown_content(t, index, &text),
                 };
-                if text.is_empty() && !with_probs {
+                if text.is_empty() && thought.is_empty() && !with_probs {
                     return None;
                 }
-                let mut chunk = self.chat_delta(index, None, Some(Some(text)), None, timings);
+                // a piece of thinking alone carries no `content`, as llama-server's
+                let content = Some(text).filter(|t| !t.is_empty() || thought.is_empty());
+                let mut chunk = self.chat_delta(index, None, content.map(Some), None, timings);
                 chunk.choices[0].logprobs = self.chat_logprobs(&probs);
+                if let Some(delta) = &mut chunk.choices[0].delta {
+                    delta.reasoning_content = Some(thought).filter(|t| !t.is_empty());
+                }
                 Some(event(&chunk))
             }
             Shape::Text { .. } if !text.is_empty() || with_probs => {
@@ -310,13 +328,32 @@ impl Reply {
         let reason = Some(finish_reason(g.finish));
         let timings = Some(Timings::from(&g.stats));
         match &self.shape {
-            Shape::Chat { tools: None, .. } => vec![event(&self.chat_delta(index, None, None, reason, timings))],
-            Shape::Chat { tools: Some(t), .. } => {
-                // The rest of the content, then the calls whole, then the end.
-                let parsed = t.parse(&g.text);
+            Shape::Chat { tools, reasoning, .. } => {
+                // What the split held back (a tag it could not yet tell), then the rest of the
+                // content, then the calls whole, then the end.
+                let mut out = Vec::new();
+                let mut text = g.text.clone();
+                if let Some(r) = reasoning {
+                    let rest = r.rest(index);
+                    if !rest.reasoning_content.is_empty() {
+                        let mut chunk = self.chat_delta(index, None, None, None, None);
+                        if let Some(delta) = &mut chunk.choices[0].delta {
+                            delta.reasoning_content = Some(rest.reasoning_content);
+                        }
+                        out.push(event(&chunk));
+                    }
+                    if tools.is_none() && !rest.content.is_empty() {
+                        out.push(event(&self.chat_delta(index, None, Some(Some(rest.content)), None, None)));
+                    }
+                    text = r.whole(&g.text).content;
+                }
+                let Some(t) = tools else {
+                    out.push(event(&self.chat_delta(index, None, None, reason, timings)));
+                    return out;
+                };
+                let parsed = t.parse(&text);
                 let held = self.tool_text.lock().expect("never poisoned: no panics inside").get(index).cloned().unwrap_or_default();
                 let rest = parsed.content.as_deref().map(|c| held.rest(c)).unwrap_or_default();
-                let mut out = Vec::new();
                 if !rest.is_empty() {
                     out.push(event(&self.chat_delta(index, None, Some(Some(rest.to_string())), None, None)));
                 }
@@ -386,7 +423,7 @@ impl Reply {
         finish: Option<&'static str>,
         timings: Option<Timings>,
     ) -> ChatCompletion {
-        let delta = ChatMessageOut { role, content, tool_calls: None };
+        let delta = ChatMessageOut { role, content, ..Default::default() };
         let choice = ChatChoice { index: index as u32, message: None, delta: Some(delta), finish_reason: finish, logprobs: None };
         ChatCompletion { timings, ..self.envelope("chat.completion.chunk", vec![choice]) }
     }

@@ -2,10 +2,12 @@
 //! onto the chat path as llama-server maps it: `input` (a text, or message, `function_call` and
 //! `function_call_output` items) and `instructions` become chat messages, `max_output_tokens` the
 //! limit, the function tools chat tools; the answer is a `response` object, or its stream of
-//! events (`response.created` ... `response.output_text.delta` ... `response.completed`).
+//! events (`response.created` ... `response.output_text.delta` ... `response.completed`). A
+//! reasoning model's thinking comes first, as a `reasoning` item (`response.reasoning_text.delta`).
 //! Nothing is stored: a conversation is sent whole, never by `previous_response_id`.
 use super::errors::ApiError;
 use super::reply::now;
+use super::reasoning::{Ask, Reasoning};
 use super::routes::{chat_prompt, collect, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
@@ -48,7 +50,10 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
     if let Some(t) = &tools {
         t.constrain(&mut opts)?;
     }
-    let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
+    let (prompt, reasoning) = chat_prompt(&s, messages, tools.as_ref(), true, &Ask::of(&s, None, None)?).await?;
+    if let Some(r) = &reasoning {
+        r.constrain(&mut opts);
+    }
     let mut events = submit(&s, &[prompt], opts, 1, slot, false)?;
     let rx = events.pop().ok_or_else(|| ApiError::Internal("no generation was queued".into()))?;
     let answer = Answer {
@@ -60,6 +65,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
             "tools": req.tools.unwrap_or_else(|| json!([])), "tool_choice": req.tool_choice.unwrap_or_else(|| json!("auto")),
             "parallel_tool_calls": tools.as_ref().is_some_and(|t| t.parallel) }),
         tools: tools.filter(Tools::active),
+        reasoning,
     };
     match req.stream.unwrap_or(false) {
         true => Ok(answer.stream(rx)),
@@ -71,7 +77,7 @@ pub async fn responses(State(s): State<Arc<AppState>>, Sampled(req, sampling): S
 /// request's body would decode.
 pub async fn input_tokens(State(s): State<Arc<AppState>>, ApiJson(req): ApiJson<ResponsesRequest>) -> Result<Json<InputTokens>, ApiError> {
     let (messages, tools) = chat_request(&s, &req)?;
-    let prompt = chat_prompt(&s, messages, tools.as_ref(), true).await?;
+    let (prompt, _) = chat_prompt(&s, messages, tools.as_ref(), true, &Ask::of(&s, None, None)?.prompt_only()).await?;
     Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
 }
 
@@ -177,26 +183,41 @@ fn messages(instructions: Option<String>, input: &Value) -> Result<Vec<ChatMessa
     Ok(out)
 }
 
-/// One response being answered: its ids, the request's settings it repeats, and the tools its
-/// calls are parsed for.
+/// One response being answered: its ids, the request's settings it repeats, the tools its
+/// calls are parsed for and the split of its thinking.
 struct Answer {
     id: String,
     created_at: u64,
     model: String,
     echo: Value,
     tools: Option<Tools>,
+    reasoning: Option<Reasoning>,
 }
 
 impl Answer {
-    fn parse(&self, g: &Generation) -> Parsed {
-        match &self.tools {
-            Some(t) => t.parse(&g.text),
-            None => Parsed { content: Some(g.text.clone()), calls: Vec::new() },
-        }
+    /// The answer's thinking (if any) and its content and calls.
+    fn parse(&self, g: &Generation) -> (Option<String>, Parsed) {
+        let split = self.reasoning.as_ref().map(|r| r.whole(&g.text));
+        let text = split.as_ref().map_or(&g.text, |s| &s.content);
+        let parsed = match &self.tools {
+            Some(t) => t.parse(text),
+            None => Parsed { content: Some(text.clone()), calls: Vec::new() },
+        };
+        (split.map(|s| s.reasoning_content).filter(|r| !r.is_empty()), parsed)
     }
 
     fn message_id(&self) -> String {
         format!("msg_{}", &self.id["resp_".len()..])
+    }
+
+    fn reasoning_id(&self) -> String {
+        format!("rs_{}", &self.id["resp_".len()..])
+    }
+
+    /// The thinking, as llama-server's Responses API gives it.
+    fn reasoning_item(&self, text: &str, status: &str) -> Value {
+        json!({ "type": "reasoning", "id": self.reasoning_id(), "status": status, "summary": [],
+            "content": [{ "type": "reasoning_text", "text": text }] })
     }
 
     fn message(&self, text: &str, status: &str) -> Value {
@@ -204,14 +225,15 @@ impl Answer {
             "content": [{ "type": "output_text", "text": text, "annotations": [] }] })
     }
 
-    /// The output items of a finished answer: its text, then its calls.
-    fn output(&self, parsed: &Parsed) -> Vec<Value> {
+    /// The output items of a finished answer: its thinking, its text, then its calls.
+    fn output(&self, thought: Option<&str>, parsed: &Parsed) -> Vec<Value> {
+        let thought = thought.map(|t| self.reasoning_item(t, "completed"));
         let text = parsed.content.iter().map(|c| self.message(c, "completed"));
         let calls = parsed.calls.iter().map(|c| {
             json!({ "type": "function_call", "id": format!("fc_{}", c.id), "call_id": c.id, "name": c.function.name,
                 "arguments": c.function.arguments, "status": "completed" })
         });
-        text.chain(calls).collect()
+        thought.into_iter().chain(text).chain(calls).collect()
     }
 
     /// The `response` object: in progress (`None`), or finished.
@@ -225,7 +247,8 @@ impl Answer {
                     "input_tokens_details": { "cached_tokens": g.stats.n_prompt - g.stats.n_prompt_decoded },
                     "output_tokens_details": { "reasoning_tokens": 0 } });
                 let incomplete = if cut { json!({ "reason": "max_output_tokens" }) } else { Value::Null };
-                (if cut { "incomplete" } else { "completed" }, self.output(&self.parse(g)), usage, incomplete)
+                let (thought, parsed) = self.parse(g);
+                (if cut { "incomplete" } else { "completed" }, self.output(thought.as_deref(), &parsed), usage, incomplete)
             }
         };
         let mut object = json!({ "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
@@ -239,7 +262,7 @@ impl Answer {
     /// The Responses API's events: created, in progress, the message's text as it comes (opened
     /// at its first piece), the calls whole, then completed.
     fn stream(self, rx: mpsc::Receiver<GenEvent>) -> Response {
-        let state = Streaming { answer: self, seq: 0, opened: false, content: ContentStream::default(), done: false };
+        let state = Streaming { answer: self, seq: 0, thought: None, opened: false, content: ContentStream::default(), done: false };
         let body = stream::unfold((Some(rx), state), |(rx, mut st)| async move {
             let mut rx = rx?;
             let events = if st.seq == 0 {
@@ -261,10 +284,12 @@ impl Answer {
     }
 }
 
-/// A stream in progress: its events' numbering and whether the message item is open.
+/// A stream in progress: its events' numbering, its thinking so far (once its item is open, the
+/// first; `done` once closed) and whether the message item is open.
 struct Streaming {
     answer: Answer,
     seq: u64,
+    thought: Option<(String, bool)>,
     opened: bool,
     content: ContentStream,
     done: bool,
@@ -278,18 +303,55 @@ impl Streaming {
         Event::default().event(kind).data(data.to_string())
     }
 
-    /// The message item and its text part, announced once.
-    fn open(&mut self) -> Vec<Event> {
-        if std::mem::replace(&mut self.opened, true) {
+    /// Where the message item is among the output: after the thinking's, if any.
+    fn message_index(&self) -> usize {
+        usize::from(self.thought.is_some())
+    }
+
+    /// Thinking, as a delta of the reasoning item (opened at its first piece).
+    fn think(&mut self, delta: &str) -> Vec<Event> {
+        if delta.is_empty() {
             return Vec::new();
         }
-        let item_id = self.answer.message_id();
+        let mut out = Vec::new();
+        if self.thought.is_none() {
+            self.thought = Some((String::new(), false));
+            let item = self.answer.reasoning_item("", "in_progress");
+            out.push(self.event("response.output_item.added", json!({ "output_index": 0, "item": item })));
+        }
+        if let Some((text, _)) = &mut self.thought {
+            text.push_str(delta);
+        }
+        let item_id = self.answer.reasoning_id();
+        out.push(self.event("response.reasoning_text.delta", json!({ "item_id": item_id, "output_index": 0, "content_index": 0, "delta": delta })));
+        out
+    }
+
+    /// The reasoning item's end, once, when it is open.
+    fn close_thought(&mut self) -> Vec<Event> {
+        let Some((text, false)) = self.thought.clone() else { return Vec::new() };
+        self.thought = Some((text.clone(), true));
+        let item_id = self.answer.reasoning_id();
+        let item = self.answer.reasoning_item(&text, "completed");
+        vec![
+            self.event("response.reasoning_text.done", json!({ "item_id": item_id, "output_index": 0, "content_index": 0, "text": text })),
+            self.event("response.output_item.done", json!({ "output_index": 0, "item": item })),
+        ]
+    }
+
+    /// The message item and its text part, announced once (the thinking ends there).
+    fn open(&mut self) -> Vec<Event> {
+        if self.opened {
+            return Vec::new();
+        }
+        let mut out = self.close_thought();
+        self.opened = true;
+        let (item_id, index) = (self.answer.message_id(), self.message_index());
         let item = json!({ "type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": [] });
         let part = json!({ "type": "output_text", "text": "", "annotations": [] });
-        vec![
-            self.event("response.output_item.added", json!({ "output_index": 0, "item": item })),
-            self.event("response.content_part.added", json!({ "item_id": item_id, "output_index": 0, "content_index": 0, "part": part })),
-        ]
+        out.push(self.event("response.output_item.added", json!({ "output_index": index, "item": item })));
+        out.push(self.event("response.content_part.added", json!({ "item_id": item_id, "output_index": index, "content_index": 0, "part": part })));
+        out
     }
 
     /// Text the answer surely holds, as a delta of its message.
@@ -298,35 +360,49 @@ impl Streaming {
             return Vec::new();
         }
         let mut out = self.open();
-        let item_id = self.answer.message_id();
-        out.push(self.event("response.output_text.delta", json!({ "item_id": item_id, "output_index": 0, "content_index": 0, "delta": delta })));
+        let (item_id, index) = (self.answer.message_id(), self.message_index());
+        out.push(self.event("response.output_text.delta", json!({ "item_id": item_id, "output_index": index, "content_index": 0, "delta": delta })));
         out
     }
 
     fn piece(&mut self, text: &str) -> Vec<Event> {
-        let shown = match &self.answer.tools {
-            Some(t) => self.content.push(t, text),
-            None => text.to_string(),
+        let (thought, text) = match &self.answer.reasoning {
+            Some(r) => {
+                let split = r.piece(0, text);
+                (split.reasoning_content, split.content)
+            }
+            None => (String::new(), text.to_string()),
         };
-        self.text(&shown)
+        let mut out = self.think(&thought);
+        let shown = match &self.answer.tools {
+            Some(t) => self.content.push(t, &text),
+            None => text,
+        };
+        out.extend(self.text(&shown));
+        out
     }
 
     fn finish(&mut self, g: &Generation) -> Vec<Event> {
-        let parsed = self.answer.parse(g);
+        let (_, parsed) = self.answer.parse(g);
         let content = parsed.content.clone().unwrap_or_default();
+        // what the split held back, then the rest of the text
+        let held = self.answer.reasoning.as_ref().map(|r| r.rest(0)).unwrap_or_default();
+        let mut out = self.think(&held.reasoning_content);
+        out.extend(self.close_thought());
         let rest = match &self.answer.tools {
             Some(_) => self.content.rest(&content).to_string(),
-            None => String::new(), // every piece went out as it came
+            None => held.content, // every other piece went out as it came
         };
-        let mut out = self.text(&rest);
-        let items = self.answer.output(&parsed);
-        for (index, item) in items.into_iter().enumerate() {
+        out.extend(self.text(&rest));
+        let first = self.message_index();
+        let items = self.answer.output(None, &parsed); // (the thinking's item was streamed)
+        for (index, item) in items.into_iter().enumerate().map(|(i, item)| (first + i, item)) {
             let item_id = item["id"].clone();
             if item["type"] == "message" {
                 out.extend(self.open());
                 let part = item["content"][0].clone();
-                out.push(self.event("response.output_text.done", json!({ "item_id": item_id, "output_index": 0, "content_index": 0, "text": content })));
-                out.push(self.event("response.content_part.done", json!({ "item_id": item_id, "output_index": 0, "content_index": 0, "part": part })));
+                out.push(self.event("response.output_text.done", json!({ "item_id": item_id, "output_index": index, "content_index": 0, "text": content })));
+                out.push(self.event("response.content_part.done", json!({ "item_id": item_id, "output_index": index, "content_index": 0, "part": part })));
             } else {
                 out.push(self.event("response.output_item.added", json!({ "output_index": index, "item": item })));
                 let arguments = item["arguments"].clone();

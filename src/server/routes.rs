@@ -3,6 +3,7 @@
 //! answered by a [`Reply`] in its endpoint's shape (`reply`): request -> job -> reply.
 use super::errors::ApiError;
 use super::prompt::{Part, Prompts};
+use super::reasoning::{Ask, Reasoning};
 use super::reply::{drafts, now, slot_params, Reply, Report, Shape};
 use super::scheduler::{GenEvent, GenRequest, QueueFull};
 use super::tools::{self, Tools};
@@ -91,6 +92,11 @@ pub async fn require_api_key(State(s): Shared, req: Request, next: Next) -> Resu
 /// Compares in time independent of where the first difference is.
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// `GET /`: the chat page, one file built into the binary.
+pub async fn webui() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("webui.html"))
 }
 
 pub async fn health() -> Json<serde_json::Value> {
@@ -242,9 +248,13 @@ pub async fn chat(State(s): Shared, Sampled(req, sampling): Sampled<ChatRequest>
         t.constrain(&mut opts)?;
     }
     let open_turn = generation_prompt(&req)?;
-    let prompt = chat_prompt(&s, req.messages, tools.as_ref(), open_turn).await?;
+    let ask = Ask::of(&s, req.chat_template_kwargs.as_ref(), req.reasoning_format.as_deref())?;
+    let (prompt, reasoning) = chat_prompt(&s, req.messages, tools.as_ref(), open_turn, &ask).await?;
+    if let Some(r) = &reasoning {
+        r.constrain(&mut opts);
+    }
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let shape = Shape::Chat { include_usage, tools: tools.filter(Tools::active) };
+    let shape = Shape::Chat { include_usage, tools: tools.filter(Tools::active), reasoning };
     let reply = Reply::new(&s, "chatcmpl", shape, &opts, report);
     generate(&s, vec![prompt], opts, n, slot, reply, req.stream.unwrap_or(false)).await
 }
@@ -506,7 +516,8 @@ fn stop_strings(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
 pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Json<PromptText>, ApiError> {
     let tools = chat_tools(&s, &req)?;
     let open_turn = generation_prompt(&req)?;
-    let prompt = render_chat(&s, req.messages, tools.as_ref(), open_turn)?;
+    let ask = Ask::of(&s, req.chat_template_kwargs.as_ref(), None)?.prompt_only();
+    let (prompt, _) = render_chat(&s, req.messages, tools.as_ref(), open_turn, &ask)?;
     Ok(Json(PromptText { prompt }))
 }
 
@@ -515,7 +526,8 @@ pub async fn apply_template(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>
 pub async fn chat_input_tokens(State(s): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Json<InputTokens>, ApiError> {
     let tools = chat_tools(&s, &req)?;
     let open_turn = generation_prompt(&req)?;
-    let prompt = chat_prompt(&s, req.messages, tools.as_ref(), open_turn).await?;
+    let ask = Ask::of(&s, req.chat_template_kwargs.as_ref(), None)?.prompt_only();
+    let (prompt, _) = chat_prompt(&s, req.messages, tools.as_ref(), open_turn, &ask).await?;
     Ok(Json(InputTokens { object: "response.input_tokens", input_tokens: prompt.len() }))
 }
 
@@ -543,23 +555,32 @@ fn generation_prompt(req: &ChatRequest) -> Result<bool, ApiError> {
     Ok(req.add_generation_prompt.unwrap_or(true))
 }
 
-/// The prompt tokens of a chat request, rendered with the served template; `open_turn`: end
-/// with the assistant's turn opened (a final assistant message is continued either way).
+/// The prompt tokens of a chat request, rendered with the served template, and the split of
+/// its answer (`reasoning`); `open_turn`: end with the assistant's turn opened (a final
+/// assistant message is continued either way).
 pub(super) async fn chat_prompt(
     s: &AppState,
     messages: Vec<ChatMessageIn>,
     tools: Option<&Tools>,
     open_turn: bool,
-) -> Result<Vec<Token>, ApiError> {
-    let text = render_chat(s, messages, tools, open_turn)?;
+    ask: &Ask,
+) -> Result<(Vec<Token>, Option<Reasoning>), ApiError> {
+    let (text, reasoning) = render_chat(s, messages, tools, open_turn, ask)?;
     let model = s.model().clone();
-    blocking(move || model.tokenize(&text, true, true)).await
+    Ok((blocking(move || model.tokenize(&text, true, true)).await?, reasoning))
 }
 
-/// The chat prompt text, with the request's tools. A conversation that ends with an assistant
-/// message asks for that message to be continued (llama-server's assistant prefill): the turns
-/// before it are rendered with the assistant's turn opened, and its text follows.
-fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>, open_turn: bool) -> Result<String, ApiError> {
+/// The chat prompt text, with the request's tools and template variables, and the split of its
+/// answer. A conversation that ends with an assistant message asks for that message to be
+/// continued (llama-server's assistant prefill): the turns before it are rendered with the
+/// assistant's turn opened, and its text follows (that answer is not split).
+fn render_chat(
+    s: &AppState,
+    messages: Vec<ChatMessageIn>,
+    tools: Option<&Tools>,
+    open_turn: bool,
+    ask: &Ask,
+) -> Result<(String, Option<Reasoning>), ApiError> {
     let native = s.template.describes_tools();
     let mut messages = tools::conversation(messages, native)?;
     let is_assistant = |m: Option<&serde_json::Value>| m.is_some_and(|m| m["role"] == "assistant");
@@ -570,12 +591,25 @@ fn render_chat(s: &AppState, messages: Vec<ChatMessageIn>, tools: Option<&Tools>
         }
         true => messages.pop().and_then(|m| m["content"].as_str().map(str::to_string)),
     };
+    let budget = s.defaults.reasoning_budget.as_ref().map(|(n, message)| (*n, message.as_str()));
+    let reasoning = match ask.format {
+        Some(format) if prefill.is_none() => match s.template.answer_parser(&messages, &ask.vars, open_turn, format.name()) {
+            Ok(parser) => parser.map(|parser| Reasoning::new(s.model(), parser, format, budget)),
+            // minijinja's rendering below speaks for the template; without llama.cpp's, the
+            // answer is not split
+            Err(e) => {
+                tracing::warn!("llama.cpp cannot render this chat ({e}); its answer is not split into reasoning and content");
+                None
+            }
+        },
+        _ => None,
+    };
     if let Some(t) = tools {
         t.describe(&mut messages);
     }
     let list = tools.filter(|_| native).map(|t| t.list.as_slice());
-    let text = s.template.render_with_tools(&messages, list, open_turn || prefill.is_some()).map_err(template_refused)?;
-    Ok(text + prefill.as_deref().unwrap_or_default())
+    let text = s.template.render_with_tools(&messages, list, open_turn || prefill.is_some(), &ask.vars).map_err(template_refused)?;
+    Ok((text + prefill.as_deref().unwrap_or_default(), reasoning))
 }
 
 /// The template's own refusal (`raise_exception`) names the messages as the field at fault.

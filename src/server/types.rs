@@ -98,6 +98,10 @@ pub struct ChatRequest {
     /// vLLM's and transformers' name for continuing a final assistant message (which a
     /// conversation ending with one asks for anyway, as in llama-server).
     pub continue_final_message: Option<bool>,
+    /// Further template variables (Qwen3's `enable_thinking`), checked by `reasoning::Ask`.
+    pub chat_template_kwargs: Option<serde_json::Value>,
+    /// Where the answer's reasoning goes: `none`, `deepseek`, `deepseek-legacy` or `auto`.
+    pub reasoning_format: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -258,6 +262,10 @@ pub struct Timings {
     pub predicted_per_second: f64,
     pub draft_n: usize,
     pub draft_n_accepted: usize,
+    /// Of the drafted tokens accepted, those the drafter drafted and those look-up read off the
+    /// context (this server's; the chat page shows them).
+    pub draft_n_accepted_drafter: usize,
+    pub draft_n_accepted_lookup: usize,
     /// Mean tokens committed per target verify.
     pub tau: f64,
     pub cycles: usize,
@@ -279,6 +287,8 @@ impl Timings {
             predicted_per_second: 0.0,
             draft_n: 0,
             draft_n_accepted: 0,
+            draft_n_accepted_drafter: 0,
+            draft_n_accepted_lookup: 0,
             tau: 0.0,
             cycles: 0,
         }
@@ -303,6 +313,8 @@ impl From<&Stats> for Timings {
             predicted_per_second: s.tokens_per_second(),
             draft_n: s.n_drafted,
             draft_n_accepted: s.n_draft_accepted,
+            draft_n_accepted_drafter: s.from_drafter.accepted,
+            draft_n_accepted_lookup: s.from_lookup.accepted,
             tau: s.tau(),
             cycles: s.cycles,
         }
@@ -395,6 +407,9 @@ pub struct ChatMessageOut {
     /// that only called tools) or text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<Option<String>>,
+    /// The answer's thinking, split out of its content (llama-server's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallOut>>,
 }

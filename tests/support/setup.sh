@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian/Ubuntu machine lacks to build dflash2 and run its tests:
 # cmake and libclang (llama.cpp and its bindings), cc/c++ and pkg-config (the shim and the C ABI
-# tests), tmux (the chat test drives a terminal), curl (server tests), python3 with pip and venv
+# tests), tmux (the chat test drives a terminal), curl (server tests), Chromium and chromedriver (the
+# chat page's test drives a headless browser), python3 with pip and venv
 # (models come from PyPI; the OpenAI SDK test makes a venv); with --train also the drafter training
 # environment (.venv: torch, numpy, safetensors, gguf from PyPI, ~5 GB; the recipe and its tests need it).
 # Each check tests the very thing the build or a test uses, not something with a similar name.
@@ -32,6 +33,8 @@ command -v cc >/dev/null || need+=(gcc)
 command -v c++ >/dev/null || need+=(g++)
 command -v tmux >/dev/null || need+=(tmux)
 command -v curl >/dev/null || need+=(curl)
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
 command -v "$py" >/dev/null || need+=(python3)
 have_libclang || need+=(libclang-dev)
 apt_install "${need[@]}"
