@@ -692,7 +692,8 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
 /// Speculation under load (#49), on SmolLM2 with the shipped drafter: a verify row costs what it
 /// costs on this CPU, so as four slots fill, the batch's rows are shared (`draft::sharing`) and
 /// the drafting rate, from the server's own counters, falls well below what the same requests
-/// draft one at a time; every answer, alone or under load, equals plain decoding's.
+/// draft one at a time, and comes back once they are alone again; every answer, alone or under
+/// load, equals plain decoding's.
 #[test]
 fn drafting_gives_way_as_the_slots_fill_and_every_answer_stays_plain_decodings() {
     let target = common::real_model(common::SMOLLM2);
@@ -714,20 +715,23 @@ fn drafting_gives_way_as_the_slots_fill_and_every_answer_stays_plain_decodings()
         };
         (spec.metric("draft_tokens_total") - drafted) / (spec.metric("tokens_predicted_total") - generated)
     };
-    let (mut alone, mut together) = (Vec::new(), Vec::new());
+    let (mut alone, mut together, mut again) = (Vec::new(), Vec::new(), Vec::new());
     let rate_alone = rate(&mut alone, false);
     let rate_together = rate(&mut together, true);
-    eprintln!("drafted tokens per generated token: alone {rate_alone:.2}, four slots busy {rate_together:.2}");
+    let rate_again = rate(&mut again, false);
+    eprintln!("drafted tokens per generated token: alone {rate_alone:.2}, four slots busy {rate_together:.2}, alone again {rate_again:.2}");
     for (i, p) in prompts.iter().enumerate() {
         let want = plain.post_ok("/completion", body(p))["content"].as_str().unwrap().to_string();
         assert_eq!(alone[i], want, "prompt {i} alone differs from plain decoding");
         assert_eq!(together[i], want, "prompt {i} under load differs from plain decoding");
+        assert_eq!(again[i], want, "prompt {i} alone again differs from plain decoding");
     }
     assert!(rate_alone > 0.3, "alone the defaults drafted {rate_alone:.2} tokens per token: nothing to give way");
     assert!(
         rate_together < 0.6 * rate_alone,
         "with four slots busy the defaults drafted {rate_together:.2} tokens per token, alone {rate_alone:.2}"
     );
+    assert!(rate_again > 0.6 * rate_alone, "alone again the defaults drafted {rate_again:.2} tokens per token, at first {rate_alone:.2}");
     spec.wait_idle();
 }
 
