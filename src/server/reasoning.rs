@@ -5,6 +5,7 @@
 //! here as they do in llama-server. The split is on text only: the tokens are those of plain
 //! decoding, whatever the mode.
 use super::errors::ApiError;
+use super::tools::{Parsed, Tools};
 use super::AppState;
 use crate::engine::{GenerateOptions, ReasoningBudget};
 use crate::llama::{AnswerParser, ChatRender, Model, Split, Token};
@@ -199,4 +200,16 @@ impl Reasoning {
             Split { content: text.to_string(), reasoning_content: String::new() }
         })
     }
+}
+
+/// A whole answer's thinking (none where it is not split or empty), then its content and the tool
+/// calls parsed out of it: what every chat API answers.
+pub fn answer(reasoning: Option<&Reasoning>, tools: Option<&Tools>, text: &str) -> (Option<String>, Parsed) {
+    let split = reasoning.map(|r| r.whole(text));
+    let text = split.as_ref().map_or(text, |s| &s.content);
+    let parsed = match tools {
+        Some(t) => t.parse(text),
+        None => Parsed { content: Some(text.to_string()), calls: Vec::new() },
+    };
+    (split.map(|s| s.reasoning_content).filter(|r| !r.is_empty()), parsed)
 }

@@ -150,16 +150,8 @@ impl Reply {
                     .iter()
                     .enumerate()
                     .map(|(i, g)| {
-                        let split = reasoning.as_ref().map(|r| r.whole(&g.text));
-                        let text = split.as_ref().map_or(&g.text, |s| &s.content);
-                        let reasoning_content = split.as_ref().map(|s| s.reasoning_content.clone()).filter(|r| !r.is_empty());
-                        let (content, tool_calls) = match tools {
-                            None => (Some(text.clone()), None),
-                            Some(t) => {
-                                let parsed = t.parse(text);
-                                (parsed.content, Some(parsed.calls).filter(|c| !c.is_empty()))
-                            }
-                        };
+                        let (reasoning_content, parsed) = super::reasoning::answer(reasoning.as_ref(), tools.as_ref(), &g.text);
+                        let (content, tool_calls) = (parsed.content, Some(parsed.calls).filter(|c| !c.is_empty()));
                         let finish_reason = Some(chat_finish(g.finish, tool_calls.is_some()));
                         let message = ChatMessageOut { role: Some("assistant"), content: Some(content), reasoning_content, tool_calls };
                         ChatChoice {

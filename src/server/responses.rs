@@ -7,7 +7,7 @@
 //! Nothing is stored: a conversation is sent whole, never by `previous_response_id`.
 use super::errors::ApiError;
 use super::reply::now;
-use super::reasoning::{Ask, Reasoning};
+use super::reasoning::{self, Ask, Reasoning};
 use super::routes::{chat_prompt, collect, options, preferred_slot, submit, ApiJson, Sampled};
 use super::scheduler::GenEvent;
 use super::tools::{self, ContentStream, Parsed, Tools};
@@ -197,13 +197,7 @@ struct Answer {
 impl Answer {
     /// The answer's thinking (if any) and its content and calls.
     fn parse(&self, g: &Generation) -> (Option<String>, Parsed) {
-        let split = self.reasoning.as_ref().map(|r| r.whole(&g.text));
-        let text = split.as_ref().map_or(&g.text, |s| &s.content);
-        let parsed = match &self.tools {
-            Some(t) => t.parse(text),
-            None => Parsed { content: Some(text.clone()), calls: Vec::new() },
-        };
-        (split.map(|s| s.reasoning_content).filter(|r| !r.is_empty()), parsed)
+        reasoning::answer(self.reasoning.as_ref(), self.tools.as_ref(), &g.text)
     }
 
     fn message_id(&self) -> String {
