@@ -202,6 +202,18 @@ impl Reasoning {
     }
 }
 
+/// A streamed piece of choice 0's answer: its new thinking, and its new content (all of it where
+/// nothing is split).
+pub fn streamed(reasoning: Option<&Reasoning>, text: &str) -> (String, String) {
+    match reasoning {
+        Some(r) => {
+            let split = r.piece(0, text);
+            (split.reasoning_content, split.content)
+        }
+        None => (String::new(), text.to_string()),
+    }
+}
+
 /// A whole answer's thinking (none where it is not split or empty), then its content and the tool
 /// calls parsed out of it: what every chat API answers.
 pub fn answer(reasoning: Option<&Reasoning>, tools: Option<&Tools>, text: &str) -> (Option<String>, Parsed) {

@@ -360,13 +360,7 @@ impl Streaming {
     }
 
     fn piece(&mut self, text: &str) -> Vec<Event> {
-        let (thought, text) = match &self.answer.reasoning {
-            Some(r) => {
-                let split = r.piece(0, text);
-                (split.reasoning_content, split.content)
-            }
-            None => (String::new(), text.to_string()),
-        };
+        let (thought, text) = reasoning::streamed(self.answer.reasoning.as_ref(), text);
         let mut out = self.think(&thought);
         let shown = match &self.answer.tools {
             Some(t) => self.content.push(t, &text),
